@@ -1,0 +1,31 @@
+# Set-up on a fresh machine is `make demo` or `make test`; nothing has to be installed by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch 2.13 lies on this machine's disk; a bare `pip install torch` could pull a
+# multi-GB CUDA build, so torch is installed pinned, and only when the venv lacks it.
+TORCH_SPEC ?= torch==2.13.*
+NPROC ?= 2
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[hf,dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt2.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check torchacc tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,115 @@
+"""Train GPT-2 on a local text file: TorchAcc's GPT-2 example, plus the two torchacc lines.
+
+    torchrun --nproc_per_node=2 examples/train_gpt2.py              # 2 ranks, FSDP
+    python examples/train_gpt2.py --steps 20                         # one process works too
+    torchrun --nproc_per_node=2 examples/train_gpt2.py --model_dir ./my-gpt2   # from_pretrained
+
+Everything is local: the text is examples/data/tiny_corpus.txt, the tokenizer is trained on it in
+a second, and the model is built from a small GPT-2 config (or loaded from ``--model_dir``).
+Remove the two marked lines and this is a plain single-process PyTorch script.
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, default_data_collator
+
+import torchacc
+
+HERE = Path(__file__).resolve().parent
+
+
+def build_tokenizer(text_file: str) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained on the local corpus (no download)."""
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([text_file], trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+
+
+def build_dataset(text_file: str, tokenizer: PreTrainedTokenizerFast, block_size: int):
+    raw = load_dataset("text", data_files={"train": text_file})["train"]
+    tokenized = raw.map(lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"])
+
+    def group_texts(batch):
+        ids = [t for row in batch["input_ids"] for t in row + [tokenizer.eos_token_id]]
+        n = len(ids) // block_size * block_size
+        blocks = [ids[i : i + block_size] for i in range(0, n, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    lm = tokenized.map(group_texts, batched=True, remove_columns=tokenized.column_names)
+    lm.set_format("torch")
+    return lm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text_file", default=str(HERE / "data" / "tiny_corpus.txt"))
+    parser.add_argument("--model_dir", default=None, help="a local directory for from_pretrained")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch_size", type=int, default=8, help="per rank")
+    parser.add_argument("--block_size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fsdp_size", type=int, default=None, help="default: all ranks")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer(args.text_file)
+    if args.model_dir:
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir)
+    else:
+        config = AutoConfig.for_model(
+            "gpt2",
+            vocab_size=len(tokenizer),
+            n_positions=args.block_size,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    dataset = build_dataset(args.text_file, tokenizer, args.block_size)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, collate_fn=default_data_collator
+    )
+
+    # --- the two torchacc lines (the config lines only set what this script's flags ask for) ---
+    config = torchacc.Config()
+    config.compute.bf16 = args.bf16
+    config.dist.fsdp.size = args.fsdp_size or torchacc.dist.world_size()
+    config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    model, loader = torchacc.accelerate(model, loader, config)
+    # ---------------------------------------------------------------------------------------------
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model.train()
+    losses = []
+    bar = tqdm(total=args.steps, disable=not torchacc.dist.is_master_ordinal(local=False), desc="train")
+    step = 0
+    for _epoch in range(math.ceil(args.steps / len(loader))):
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(torchacc.dist.reduce(loss.detach()).item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update()
+            step += 1
+            if step == args.steps:
+                break
+    bar.close()
+    if torchacc.dist.is_master_ordinal(local=False):
+        num_ranks = torchacc.dist.world_size()
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} after {len(losses)} steps on {num_ranks} rank(s)")
+
+
+if __name__ == "__main__":
+    main()

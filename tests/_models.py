@@ -1,0 +1,57 @@
+"""Tiny models and data shared by the tests (nothing is downloaded)."""
+
+import torch
+import torch.nn as nn
+
+VOCAB = 128
+SEQ = 16
+
+
+def tiny_gpt2(seed: int = 0, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = dict(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(**cfg))
+
+
+def token_dataset(num_samples: int = 32, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Samples whose next token is a simple function of the current one, so the loss can fall."""
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (num_samples, 1), generator=gen)
+    ids = (start + 3 * torch.arange(SEQ)) % VOCAB
+    return [{"input_ids": row, "labels": row.clone(), "index": torch.tensor(i)} for i, row in enumerate(ids)]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.num_forward_calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_forward_calls += 1
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class TinyNet(nn.Module):
+    def __init__(self, dim: int = 16, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(num_blocks))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -1,0 +1,165 @@
+"""Code that runs inside each rank of a multi-process test (see tests/_launch.py).
+
+Every function here returns plain data; the assertions live in the test modules, which compare
+the ranks' results with a single-process reference computed in the pytest process.
+"""
+
+import torch
+import torch.distributed as dist
+from _models import TinyNet, tiny_gpt2, token_dataset
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+import torchacc
+
+NUM_STEPS = 5
+LR = 1e-3
+
+
+def gpt2_config(*, fsdp: int, dp: int | None = None, **extra) -> torchacc.Config:
+    config = torchacc.Config()
+    config.dist.fsdp.size = fsdp
+    config.dist.dp.size = dp
+    config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    config.dist.timeout = 120.0
+    for dotted, value in extra.items():
+        *path, leaf = dotted.split("__")
+        node = config
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, value)
+    return config
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, value in model.state_dict().items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        state[name] = value.detach().cpu().clone()
+    return state
+
+
+def train_gpt2(config: torchacc.Config, *, optimizer_first: bool = False, num_steps: int = NUM_STEPS) -> dict:
+    """Train tiny GPT-2 for a few AdamW steps; each rank starts from different weights on purpose."""
+    model = tiny_gpt2(seed=torchacc.dist.rank())
+    loader = DataLoader(token_dataset(32), batch_size=2)
+    if optimizer_first:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, loader, optimizer = torchacc.accelerate(model, loader, config, optimizer=optimizer)
+    else:
+        model, loader = torchacc.accelerate(model, loader, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, indices = [], []
+    for _, batch in zip(range(num_steps), loader):
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        indices.append(batch["index"].tolist())
+    placements = {
+        name: (tuple(str(p) for p in param.placements), tuple(param.to_local().shape), tuple(param.shape))
+        for name, param in model.named_parameters()
+        if isinstance(param, DTensor)
+    }
+    return {
+        "losses": losses,
+        "indices": indices,
+        "state": full_state(model),
+        "placements": placements,
+        "num_params": sum(1 for _ in model.parameters()),
+        "device": str(model.device),
+        "keys": sorted(model.state_dict()),
+        "mesh": model._torchacc.mesh.mesh.tolist() if model._torchacc.mesh is not None else None,
+    }
+
+
+def loader_indices(num_samples: str = "12") -> dict:
+    loader = DataLoader(token_dataset(int(num_samples)), batch_size=3, shuffle=True)
+    _, loader = torchacc.accelerate(torch.nn.Linear(2, 2), loader, torchacc.Config())
+    epochs = [[i for batch in loader for i in batch["index"].tolist()] for _ in range(2)]
+    return {"epochs": epochs, "len": len(loader)}
+
+
+def low_precision(dtype_name: str) -> dict:
+    """A short bf16 or fp16 run on TinyNet; fp16 also injects an overflow on rank 1 only."""
+    config = torchacc.Config()
+    config.dist.fsdp.size = 2
+    config.dist.fsdp.wrap_layer_cls = {"Block"}
+    setattr(config.compute, dtype_name, True)
+    torch.manual_seed(0)
+    model = torchacc.accelerate(TinyNet(), config=config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torchacc.GradScaler(init_scale=1024.0) if dtype_name == "fp16" else None
+    gen = torch.Generator().manual_seed(10 + torchacc.dist.rank())
+    x = torch.randn(16, 16, generator=gen)
+    y = x.sum(dim=1, keepdim=True)
+    losses, out_dtype, overflow = [], None, {}
+    for step in range(12):
+        out = model(x)
+        out_dtype = str(out.dtype)
+        loss = torch.nn.functional.mse_loss(out, y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            if step == 6:
+                if torchacc.dist.rank() == 1:
+                    next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+                before = full_state(model)
+                scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if step == 6:
+                after = full_state(model)
+                overflow = {
+                    "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+                    "scale_before": scale_before,
+                    "scale_after": scaler.get_scale(),
+                }
+        optimizer.zero_grad()
+        losses.append(torchacc.dist.reduce(loss.detach()).item())
+    return {"losses": losses, "out_dtype": out_dtype, "overflow": overflow}
+
+
+def collectives() -> dict:
+    rank = torchacc.dist.rank()
+    result = {
+        "broadcast_obj": torchacc.dist.broadcast({"from": rank}, src=1),
+        "broadcast_tensor": torchacc.dist.broadcast(torch.tensor([float(rank)]), src=0).tolist(),
+        "reduce_mean": torchacc.dist.reduce(float(rank + 1)),
+        "all_reduce_sum": torchacc.dist.all_reduce(torch.tensor([rank + 1]), op="sum").tolist(),
+        "master": torchacc.dist.is_master_ordinal(local=False),
+    }
+    torchacc.dist.rendezvous("same-tag")
+    torchacc.dist.mark_step()
+    try:
+        torchacc.dist.rendezvous(f"tag-of-rank-{rank}")
+        result["mismatch"] = None
+    except RuntimeError as exc:
+        result["mismatch"] = str(exc)
+    dist.barrier()
+    return result
+
+
+def fsdp_suite() -> dict:
+    """Everything checked at 2 ranks, in one launch."""
+    return {
+        "fsdp": train_gpt2(gpt2_config(fsdp=2)),
+        "fsdp_gc": train_gpt2(gpt2_config(fsdp=2, memory__gc=True)),
+        "fsdp_opt_first": train_gpt2(gpt2_config(fsdp=2), optimizer_first=True),
+        "dp": train_gpt2(gpt2_config(fsdp=1)),
+        "loader": loader_indices(),
+        "bf16": low_precision("bf16"),
+        "fp16": low_precision("fp16"),
+        "collectives": collectives(),
+    }
+
+
+def hsdp_suite() -> dict:
+    """Everything checked at 4 ranks, in one launch."""
+    return {
+        "hsdp": train_gpt2(gpt2_config(fsdp=2, dp=2)),
+        "hsdp_strided": train_gpt2(gpt2_config(fsdp=2, dp=2, dist__topology=["fsdp", "dp"]), num_steps=2),
+    }

@@ -1,0 +1,121 @@
+"""Sharded training must match one process on the same global batches (the parity oracle).
+
+One launch per world size runs every scenario (see tests/dist/scenarios.py); the reference runs
+here, in the pytest process, on the concatenation of the ranks' batches.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from _launch import launch
+from _models import tiny_gpt2, token_dataset
+from torch.distributed.tensor import Replicate, Shard
+
+SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
+ATOL, RTOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(f"{SCENARIOS}:fsdp_suite", 2, tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return launch(f"{SCENARIOS}:hsdp_suite", 4, tmp_path_factory.mktemp("four_ranks"))
+
+
+def reference_run(indices_per_rank: list[list[list[int]]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train one unsharded model (rank 0's initial weights) on the union of the ranks' batches."""
+    data = token_dataset(32)
+    model = tiny_gpt2(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(len(indices_per_rank[0])):
+        batch = [data[i] for rank_indices in indices_per_rank for i in rank_indices[step]]
+        ids = torch.stack([sample["input_ids"] for sample in batch])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_parity(results: list[dict]) -> None:
+    ref_losses, ref_state = reference_run([r["indices"] for r in results])
+    # Each rank's loss is the mean over its own equal-sized batch, so their mean is the global loss.
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(dim=0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref_losses), atol=ATOL, rtol=RTOL)
+    assert results[0]["keys"] == sorted(ref_state), "accelerate() must keep the state_dict keys"
+    for result in results:
+        assert result["state"].keys() == ref_state.keys()
+        for name, value in ref_state.items():
+            torch.testing.assert_close(result["state"][name], value, atol=ATOL, rtol=RTOL, msg=name)
+
+
+@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_gc", "fsdp_opt_first", "dp"])
+def test_two_rank_training_matches_single_process(two_ranks, scenario):
+    assert_parity([rank_result[scenario] for rank_result in two_ranks])
+
+
+def test_hsdp_four_ranks_matches_single_process(four_ranks):
+    assert_parity([rank_result["hsdp"] for rank_result in four_ranks])
+
+
+def test_topology_decides_rank_layout(four_ranks):
+    assert four_ranks[0]["hsdp"]["mesh"] == [[0, 1], [2, 3]]
+    assert four_ranks[0]["hsdp_strided"]["mesh"] == [[0, 2], [1, 3]]
+    assert_parity([rank_result["hsdp_strided"] for rank_result in four_ranks])
+
+
+def test_every_parameter_is_sharded_in_halves(two_ranks):
+    placements = two_ranks[0]["fsdp"]["placements"]
+    assert len(placements) == two_ranks[0]["fsdp"]["num_params"], "every parameter must be a DTensor"
+    for name, (placement, local_shape, full_shape) in placements.items():
+        assert placement == (str(Shard(0)),), name
+        assert local_shape[0] == -(-full_shape[0] // 2), name
+
+
+def test_hsdp_parameters_are_replicated_then_sharded(four_ranks):
+    for name, (placement, _, _) in four_ranks[0]["hsdp"]["placements"].items():
+        assert placement == (str(Replicate()), str(Shard(0))), name
+
+
+def test_dp_keeps_plain_parameters(two_ranks):
+    assert two_ranks[0]["dp"]["placements"] == {}
+
+
+def test_loader_batches_are_disjoint_and_cover_the_dataset(two_ranks):
+    for epoch in range(2):
+        per_rank = [set(r["loader"]["epochs"][epoch]) for r in two_ranks]
+        assert per_rank[0].isdisjoint(per_rank[1])
+        assert per_rank[0] | per_rank[1] == set(range(12))
+    assert two_ranks[0]["loader"]["epochs"][0] != two_ranks[0]["loader"]["epochs"][1], "set_epoch must reshuffle"
+    assert two_ranks[0]["loader"]["len"] == 2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_trains(two_ranks, dtype):
+    result = two_ranks[0][dtype]
+    assert result["out_dtype"] == "torch.float32", "floating outputs must come back in float32"
+    assert result["losses"][-1] < 0.2 * result["losses"][0]
+
+
+def test_fp16_overflow_on_one_rank_is_skipped_on_all(two_ranks):
+    for rank_result in two_ranks:
+        overflow = rank_result["fp16"]["overflow"]
+        assert overflow["unchanged"], "a step with an inf gradient must not change the parameters"
+        assert overflow["scale_after"] == overflow["scale_before"] / 2
+
+
+def test_collectives(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        c = result["collectives"]
+        assert c["broadcast_obj"] == {"from": 1}
+        assert c["broadcast_tensor"] == [0.0]
+        assert c["reduce_mean"] == pytest.approx(1.5)
+        assert c["all_reduce_sum"] == [3]
+        assert c["master"] == (rank == 0)
+        assert "rendezvous mismatch" in c["mismatch"] and "rank 1: 'tag-of-rank-1'" in c["mismatch"]

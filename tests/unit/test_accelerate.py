@@ -1,0 +1,156 @@
+"""accelerate() in one process: the errors it raises before any collective, and what it returns."""
+
+import pytest
+import torch
+import torch.nn as nn
+from _models import Block, TinyNet, tiny_gpt2, token_dataset
+from torch.utils.data import DataLoader, IterableDataset
+
+import torchacc
+from torchacc.activation_checkpoint import apply_activation_checkpointing
+
+
+def fsdp_config(size: int = 1, classes=("Block",)) -> torchacc.Config:
+    config = torchacc.Config()
+    config.dist.fsdp.size = size
+    config.dist.fsdp.wrap_layer_cls = set(classes)
+    return config
+
+
+def test_returns_model_alone_pair_or_triple():
+    loader = DataLoader(token_dataset(4), batch_size=2)
+    assert isinstance(torchacc.accelerate(TinyNet()), TinyNet)
+    model, sharded = torchacc.accelerate(TinyNet(), loader)
+    assert len(sharded) == 2 and model.device == torch.device("cpu")
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = torchacc.accelerate(model, config=fsdp_config(), optimizer=optimizer)
+    assert out[0] is model and out[1] is None and out[2] is optimizer
+
+
+def test_keeps_state_dict_keys_with_checkpointing():
+    model = tiny_gpt2()
+    keys = list(model.state_dict())
+    config = fsdp_config(classes=("GPT2Block",))
+    config.memory.gc = True
+    model = torchacc.accelerate(model, config=config)
+    assert list(model.state_dict()) == keys
+
+
+def test_unknown_wrap_class_lists_the_model_classes():
+    with pytest.raises(
+        ValueError, match=r"dist\.fsdp\.wrap_layer_cls: no module of class 'GPT2Block'.*contains: .*Block"
+    ):
+        torchacc.accelerate(TinyNet(), config=fsdp_config(classes=("GPT2Block",)))
+
+
+def test_unknown_gc_class_names_memory_gc_cls():
+    config = fsdp_config()
+    config.memory.gc = True
+    config.memory.gc_cls = {"Nope"}
+    with pytest.raises(ValueError, match=r"memory\.gc_cls: no module of class 'Nope'.*Linear"):
+        torchacc.accelerate(TinyNet(), config=config)
+
+
+def test_fsdp_size_must_divide_the_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"dist\.fsdp\.size=3 does not divide world size 4"):
+        torchacc.accelerate(TinyNet(), config=fsdp_config(size=3))
+
+
+def test_already_accelerated_model_is_refused():
+    model = torchacc.accelerate(TinyNet())
+    with pytest.raises(ValueError, match="already accelerated.*once per model"):
+        torchacc.accelerate(model)
+
+
+def test_meta_model_without_materialization_is_refused():
+    with torch.device("meta"):
+        model = TinyNet()
+    with pytest.raises(ValueError, match="meta device.*blocks.0.fc1.weight.*build the model on the CPU"):
+        torchacc.accelerate(model)
+
+
+def test_optimizer_of_another_model_is_refused():
+    optimizer = torch.optim.SGD(TinyNet().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not parameters of TinyNet.*model.parameters"):
+        torchacc.accelerate(TinyNet(), optimizer=optimizer)
+
+
+def test_wrong_types_are_named():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        torchacc.accelerate("model")
+    with pytest.raises(TypeError, match="config must be a torchacc.Config, got dict"):
+        torchacc.accelerate(TinyNet(), config={"compute": {}})
+    with pytest.raises(TypeError, match="list"):
+        torchacc.accelerate(TinyNet(), [1, 2, 3])
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        torchacc.accelerate(TinyNet(), optimizer="adam")
+
+
+def test_iterable_dataset_gets_a_clear_error():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    with pytest.raises(ValueError, match=r"cannot split an iterable dataset \(Stream\).*config.dataloader.shard=False"):
+        torchacc.accelerate(TinyNet(), DataLoader(Stream(), batch_size=2))
+
+
+def test_accelerated_loader_cannot_be_accelerated_again():
+    _, loader = torchacc.accelerate(TinyNet(), DataLoader(token_dataset(4), batch_size=2))
+    with pytest.raises(ValueError, match="already returned by torchacc.accelerate"):
+        torchacc.accelerate(TinyNet(), loader)
+
+
+def test_bf16_returns_float32_outputs_and_warns_on_cpus_without_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torchacc._logging, "_seen", set())
+    config = torchacc.Config()
+    config.compute.bf16 = True
+    with pytest.warns(UserWarning, match="compute.bf16=True on a CPU without native bf16"):
+        model = torchacc.accelerate(TinyNet(), config=config)
+    seen = {}
+
+    def record_dtype(module, inputs, output):
+        seen["dtype"] = output.dtype
+
+    model.blocks[0].fc1.register_forward_hook(record_dtype)
+    out = model(torch.randn(2, 16))
+    assert seen["dtype"] == torch.bfloat16 and out.dtype == torch.float32
+
+
+def count_saved_tensors(model: nn.Module) -> int:
+    saved = []
+    torch.manual_seed(1)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(torch.randn(4, 16)).sum()
+    loss.backward()
+    return len(saved)
+
+
+@pytest.mark.parametrize("num_layers, recomputed", [(None, [2, 2, 2]), (1, [2, 1, 1])])
+def test_activation_checkpointing_recomputes_and_saves_less(num_layers, recomputed):
+    torch.manual_seed(0)
+    plain, checkpointed = TinyNet(), TinyNet()
+    checkpointed.load_state_dict(plain.state_dict())
+    names = apply_activation_checkpointing(checkpointed, {Block}, num_layers=num_layers)
+    assert names == ["blocks.0", "blocks.1", "blocks.2"][: num_layers or 3]
+    assert count_saved_tensors(checkpointed) < count_saved_tensors(plain)
+    assert [b.num_forward_calls for b in checkpointed.blocks] == recomputed
+    assert [b.num_forward_calls for b in plain.blocks] == [1, 1, 1]
+    for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_grad_scaler_skips_an_overflowing_step_in_one_process():
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torchacc.GradScaler(init_scale=8.0)
+    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    model.head.weight.grad[0, 0] = float("inf")
+    before = model.head.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(model.head.weight, before) and scaler.get_scale() == 4.0

@@ -1,0 +1,468 @@
+"""The torchacc configuration tree. Field names follow the original TorchAcc, so its scripts run unchanged::
+
+    config = torchacc.Config()
+    config.compute.bf16 = True
+    config.dist.fsdp.size = 4
+    config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    config.validate(world_size=8)
+
+Construction type-checks every field; ``validate(world_size)`` type-checks again (attributes may have
+been assigned since) and applies the value and cross-field rules. ``field_docs`` reads the attribute
+docstrings back for the generated docs.
+"""
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import os
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+__all__ = ["ComputeConfig", "Config", "DPConfig", "DataLoaderConfig", "DistConfig", "FSDPConfig", "MemoryConfig"]
+__all__ += ["field_docs"]  # reused by the docs generator
+
+# What to write instead, per expected type; the "how to fix" part of every type error.
+_EXAMPLES = {
+    bool: "True or False",
+    int: "an integer such as 2",
+    float: "a number such as 1800.0",
+    set: "a set of class names such as {'GPT2Block'} (in YAML or on the command line: [GPT2Block])",
+    list: "a list of str such as ['dp', 'fsdp']",
+}
+
+
+class _Node:
+    """Base of every config node: type-checks (and normalizes) the fields on construction."""
+
+    __slots__ = ()
+    _path: ClassVar[str] = ""  # dotted path of this node in the Config tree, for error messages
+
+    def __post_init__(self) -> None:
+        self._check_types()
+
+    def _check_types(self, recursive: bool = False) -> None:
+        for name, tp in _field_types(type(self)):
+            value = _check_type(getattr(self, name), tp, f"{self._path}.{name}".lstrip("."))
+            setattr(self, name, value)
+            if recursive and isinstance(value, _Node):
+                value._check_types(recursive=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class ComputeConfig(_Node):
+    """Numeric precision of the forward and backward passes."""
+
+    _path: ClassVar[str] = "compute"
+    bf16: bool = False
+    """Compute in bfloat16 (parameters stay float32). Mutually exclusive with fp16."""
+    fp16: bool = False
+    """Compute in float16 (parameters stay float32). Mutually exclusive with bf16."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryConfig(_Node):
+    """Memory savings: activation checkpointing ("gc", gradient checkpointing in TorchAcc's words)."""
+
+    _path: ClassVar[str] = "memory"
+    gc: bool = False
+    """Enable activation checkpointing. gc=True with an empty gc_cls checkpoints the dist.fsdp.wrap_layer_cls layers."""
+    gc_cls: set[str] = field(default_factory=set)
+    """Class names of the layers to checkpoint, e.g. {"GPT2Block"}; empty means dist.fsdp.wrap_layer_cls.
+    Setting it while gc is False is an error."""
+    gc_cnt: int | None = None
+    """Checkpoint only the first N matching layers (in module order); None checkpoints all of them."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DPConfig(_Node):
+    """Data parallelism: model replicas that train on different data."""
+
+    _path: ClassVar[str] = "dist.dp"
+    size: int | None = None
+    """Number of data-parallel replicas; None infers world_size // dist.fsdp.size."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig(_Node):
+    """Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``)."""
+
+    _path: ClassVar[str] = "dist.fsdp"
+    size: int = 1
+    """Number of ranks that shard one model replica; 1 disables sharding. Must divide the world size."""
+    wrap_layer_cls: set[str] = field(default_factory=set)
+    """Class names of the layers that each become one FSDP unit, e.g. {"GPT2Block"}; the root is wrapped last."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward and gather again in backward (less memory, more communication)."""
+    sync_module_states: bool = True
+    """Broadcast rank 0's parameters and buffers before sharding so all ranks start identical."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DistConfig(_Node):
+    """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
+
+    _path: ClassVar[str] = "dist"
+    dp: DPConfig = field(default_factory=DPConfig)
+    """Data parallelism (replicas)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Fully sharded data parallelism (sharding within one replica)."""
+    topology: list[str] = field(default_factory=lambda: ["dp", "fsdp"])
+    """Order of the parallel axes in the rank layout, outermost first; a permutation of ["dp", "fsdp"].
+    With the default, the ranks that shard one model are contiguous (fsdp innermost)."""
+    timeout: float = 1800.0
+    """Seconds a collective may wait before the job fails (the process-group timeout)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataLoaderConfig(_Node):
+    """How torchacc rebuilds the user's DataLoader."""
+
+    _path: ClassVar[str] = "dataloader"
+    shuffle: bool | None = None
+    """Shuffle in the DistributedSampler; None keeps what the user's DataLoader does."""
+    drop_last: bool | None = None
+    """Drop the uneven tail; None keeps the loader's drop_last."""
+    seed: int = 0
+    """DistributedSampler seed; all ranks must use the same one."""
+    prefetch: bool = True
+    """Copy the next batch to the device while the current one computes."""
+    shard: bool = True
+    """Split the dataset across data-parallel ranks; False only places batches on the device."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(_Node):
+    """The whole torchacc configuration: build it, set attributes, then call ``validate(world_size)``."""
+
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    """Numeric precision."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Activation checkpointing."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Parallel layout and process-group settings."""
+    dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+    """DataLoader sharding and prefetching."""
+
+    def validate(self, world_size: int) -> None:
+        """Type-check every field, normalize sets given as lists, then apply the value and cross-field rules.
+
+        Messages are deterministic, so every rank raises the same one.
+
+        Args:
+            world_size: Number of processes in the job, e.g. ``torch.distributed.get_world_size()``.
+
+        Raises:
+            ValueError: Naming the dotted path, the value given, what is allowed and how to fix it.
+
+        Example::
+
+            config.dist.fsdp.size = 4
+            config.validate(world_size=8)  # dist.dp.size is inferred as 2
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"world_size must be an int >= 1, got {world_size!r}; pass torch.distributed.get_world_size(), "
+                "or 1 for a single process"
+            )
+        self._check_types(recursive=True)
+        c, m, d, ws = self.compute, self.memory, self.dist, world_size
+        fsdp, dp = d.fsdp.size, d.dp.size
+        if c.bf16 and c.fp16:
+            raise ValueError(
+                "compute.bf16 and compute.fp16 are both True, but they exclude each other; set one to False"
+            )
+        if fsdp < 1:
+            raise ValueError(f"dist.fsdp.size must be >= 1, got {fsdp}; use 1 to disable sharding")
+        divisors = f"choose a divisor of {ws}: {', '.join(str(n) for n in range(1, ws + 1) if ws % n == 0)}"
+        if fsdp > ws:
+            raise ValueError(f"dist.fsdp.size={fsdp} exceeds world size {ws}; {divisors}")
+        if ws % fsdp:
+            raise ValueError(f"dist.fsdp.size={fsdp} does not divide world size {ws}; {divisors}")
+        if dp is not None and dp < 1:
+            raise ValueError(f"dist.dp.size must be None or >= 1, got {dp}; leave it None to infer it")
+        if dp is not None and dp * fsdp != ws:
+            raise ValueError(
+                f"dist.dp.size * dist.fsdp.size must equal world size {ws}, got dist.dp.size={dp} * "
+                f"dist.fsdp.size={fsdp} = {dp * fsdp}; set dist.dp.size={ws // fsdp} or leave it None to infer it"
+            )
+        if sorted(d.topology) != ["dp", "fsdp"]:
+            raise ValueError(
+                f"dist.topology must be a permutation of ['dp', 'fsdp'], got {d.topology!r}; "
+                "use ['dp', 'fsdp'] (fsdp innermost, the default) or ['fsdp', 'dp']"
+            )
+        if d.timeout <= 0:
+            raise ValueError(f"dist.timeout must be > 0 seconds, got {d.timeout}; the default is 1800.0")
+        if m.gc_cnt is not None and m.gc_cnt < 1:
+            raise ValueError(f"memory.gc_cnt must be None or >= 1, got {m.gc_cnt}; None checkpoints every layer")
+        for name, value in (("gc_cnt", m.gc_cnt), ("gc_cls", m.gc_cls or None)):
+            if value is not None and not m.gc:
+                raise ValueError(
+                    f"memory.{name}={_fmt(value)} is set but memory.gc is False; "
+                    f"set memory.gc=True to enable activation checkpointing, or unset memory.{name}"
+                )
+        if m.gc and not m.gc_cls and not d.fsdp.wrap_layer_cls:
+            raise ValueError(
+                "memory.gc=True but memory.gc_cls and dist.fsdp.wrap_layer_cls are both empty, so nothing would be "
+                "checkpointed; set one of them, e.g. memory.gc_cls={'GPT2Block'}"
+            )
+
+    def resolved_dp_size(self, world_size: int) -> int:
+        """Return ``dist.dp.size``, or ``world_size // dist.fsdp.size`` when it is None.
+
+        Args:
+            world_size: Number of processes in the job.
+
+        Returns:
+            The number of data-parallel replicas.
+
+        Raises:
+            ValueError: If ``validate(world_size)`` fails.
+        """
+        self.validate(world_size)
+        return self.dist.dp.size if self.dist.dp.size is not None else world_size // self.dist.fsdp.size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""
+        return _plain(self)
+
+    def to_yaml(self) -> str:
+        """Return the tree as YAML text that ``from_yaml`` reads back."""
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Config":
+        """Build a Config from nested mappings, e.g. ``{"dist": {"fsdp": {"size": 2}}}``; absent keys keep defaults.
+
+        OmegaConf converts values where it can ("2" -> 2, "true" -> True); lists become sets for set fields.
+
+        Args:
+            d: Section name -> {field name -> value}.
+
+        Returns:
+            The new Config.
+
+        Raises:
+            ValueError: For an unknown key (listing the valid keys at that level) or a value of the wrong type.
+        """
+        return cls._merge([d])
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> "Config":
+        """Load a Config from a YAML file laid out like ``to_yaml``'s output.
+
+        Args:
+            path: The YAML file.
+
+        Returns:
+            The new Config.
+
+        Raises:
+            FileNotFoundError: If the file does not exist.
+            ValueError: As ``from_dict``, with the file name appended.
+        """
+        from omegaconf import OmegaConf
+
+        try:
+            return cls._merge([OmegaConf.load(path)])
+        except ValueError as e:
+            raise ValueError(f"{e} (in {os.fspath(path)})") from None
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None, *, base: "Config | None" = None) -> "Config":
+        """Build a Config from ``KEY=VALUE`` arguments, e.g. ``["config=run.yaml", "dist.fsdp.size=2"]``.
+
+        Layers, later wins: ``base`` (or the defaults), then every ``config=PATH.yaml`` file in the order
+        given, then the dotted overrides in the order given, wherever they stand relative to the files.
+        Values are parsed as YAML: ``compute.bf16=true``, ``dist.fsdp.wrap_layer_cls=[GPT2Block,GPT2MLP]``,
+        ``memory.gc_cnt=null``.
+
+        Args:
+            argv: The arguments; None reads ``sys.argv[1:]``.
+            base: Config to start from instead of the defaults.
+
+        Returns:
+            The new Config.
+
+        Raises:
+            FileNotFoundError: If a ``config=`` file does not exist.
+            ValueError: For an argument that is not ``KEY=VALUE``, an unknown key or a value of the wrong type.
+        """
+        import yaml
+        from omegaconf import OmegaConf
+
+        files: list[Any] = [] if base is None else [base.to_dict()]  # then the files, then the overrides
+        overrides = []
+        for arg in sys.argv[1:] if argv is None else argv:
+            key, sep, value = arg.partition("=")
+            if not sep or "" in key.split("."):
+                raise ValueError(f"{arg!r}: expected KEY=VALUE such as dist.fsdp.size=2, or config=PATH.yaml")
+            if key == "config":
+                files.append(OmegaConf.load(value))
+            else:
+                overrides.append(arg)
+        for arg in overrides:
+            try:
+                files.append(OmegaConf.from_dotlist([arg]))
+            except yaml.YAMLError as e:
+                raise ValueError(f"{arg!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
+        return cls._merge(files)
+
+    @classmethod
+    def _merge(cls, sources: list[Any]) -> "Config":
+        """Merge user mappings (later wins) into the typed OmegaConf schema and build the dataclasses."""
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+        for src in sources:
+            _require_sections(src, cls, "")
+        user = OmegaConf.merge({}, *[s if isinstance(s, DictConfig) else OmegaConf.create(_plain(s)) for s in sources])
+        try:
+            data = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(_schema(cls)), user), resolve=True)
+        except ConfigKeyError as e:
+            parent, _, key = e.full_key.rpartition(".")
+            node = _type_at(parent)
+            valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean {f'{parent}.' if parent else ''}{close[0]}?" if close else ""
+            where = f"under {parent}" if parent else "at the top level"
+            raise ValueError(f"{e.full_key}: unknown key; valid keys {where}: {', '.join(valid)}{hint}") from None
+        except OmegaConfBaseException as e:
+            key = (e.full_key or "").split("[")[0]
+            if not key or not isinstance(e, ValidationError) or _type_at(key) is None:
+                raise ValueError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+            value = OmegaConf.select(user, key, throw_on_resolution_failure=False)
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value)
+            raise _type_error(key, _type_at(key), value) from None
+        return _build(cls, data)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return the attribute docstring of every field of a config dataclass, read from its source with ``ast``.
+
+    Args:
+        cls: A dataclass such as ``FSDPConfig``.
+
+    Returns:
+        ``{field name: docstring}`` in field order, ``""`` for a field without one.
+
+    Raises:
+        TypeError: If ``cls`` is not a dataclass.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"field_docs expects a dataclass, got {cls!r}")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    body = tree.body if isinstance(tree, ast.ClassDef) else []
+    docs = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else None
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, str):
+            docs[stmt.target.id] = inspect.cleandoc(doc)
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(typing.cast(Any, cls))}
+
+
+@functools.cache
+def _field_types(cls: Any) -> list[tuple[str, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None)), True
+    return tp, False
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(map(repr, value))) + "}" if value else "set()"
+    return repr(value)
+
+
+def _type_error(path: str, tp: Any, value: Any) -> ValueError:
+    inner, optional = _strip_optional(tp)
+    origin = typing.get_origin(inner)
+    name = f"{origin.__name__} of str" if origin else inner.__name__
+    expected = f"{name} or None" if optional else name
+    use = _EXAMPLES.get(origin or inner, f"a {name} instance") + (" or None" if optional else "")
+    return ValueError(f"{path}: expected {expected}, got {_fmt(value)} ({type(value).__name__}); use {use}")
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    """Return ``value`` normalized to ``tp`` (list/tuple -> set, int -> float), or raise ValueError."""
+    inner, optional = _strip_optional(tp)
+    origin = typing.get_origin(inner)
+    if value is None and optional:
+        return None
+    if origin is set and isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
+        return set(value)
+    if origin is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if origin is None and isinstance(value, inner) and not (inner is int and isinstance(value, bool)):
+        return value
+    raise _type_error(path, tp, value)
+
+
+def _plain(value: Any) -> Any:
+    """Return ``value`` as plain YAML-able data: dataclasses to dicts, sets to sorted lists, tuples to lists."""
+    if isinstance(value, _Node):
+        return {name: _plain(getattr(value, name)) for name, _ in _field_types(type(value))}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+@functools.cache
+def _schema(cls: type) -> type:
+    """Derive the OmegaConf structured-config dataclass of ``cls``: OmegaConf has no set type, so set -> list."""
+    default, specs = cls(), []
+    for name, tp in _field_types(cls):
+        value = getattr(default, name)
+        if dataclasses.is_dataclass(tp):
+            specs.append((name, _schema(tp), field(default_factory=_schema(tp))))
+        elif typing.get_origin(tp) in (set, list):
+            specs.append((name, list[str], field(default_factory=functools.partial(list, _plain(value)))))
+        else:
+            specs.append((name, tp, field(default=value)))
+    return dataclasses.make_dataclass(cls.__name__, specs, kw_only=True)
+
+
+def _type_at(path: str) -> Any:
+    """Return the annotation at a dotted path ("" is Config itself), or None if the path leaves the tree."""
+    tp: Any = Config
+    for part in path.split(".") if path else []:
+        tp = dict(_field_types(tp)).get(part) if dataclasses.is_dataclass(tp) else None
+    return tp
+
+
+def _require_sections(src: Any, cls: type, path: str) -> None:
+    """Raise unless ``src`` has a mapping wherever ``cls`` has a section; OmegaConf reports those without a key."""
+    if not isinstance(src, Mapping):
+        keys = ", ".join(name for name, _ in _field_types(cls))
+        raise ValueError(f"{path or 'config'}: expected a mapping with keys {keys}, got {_fmt(src)}")
+    for key, value in src.items():
+        tp = dict(_field_types(cls)).get(key)
+        if dataclasses.is_dataclass(tp):
+            _require_sections(value, tp, f"{path}.{key}".lstrip("."))
+
+
+def _build(cls: type, data: Mapping[str, Any]) -> Any:
+    """Instantiate the real dataclasses from merged plain data (lists -> sets for set fields)."""
+    kwargs = {}
+    for name, tp in _field_types(cls):
+        value = data[name]
+        kwargs[name] = _build(tp, value) if dataclasses.is_dataclass(tp) else value
+    return cls(**kwargs)

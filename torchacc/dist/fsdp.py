@@ -1,0 +1,123 @@
+"""Sharding a model with FSDP2 (``fully_shard``) or replicating it (DDP), from plain arguments.
+
+This module knows nothing of ``Config``: ``accelerate()`` turns the config into the arguments here.
+"""
+
+from collections.abc import Collection, Iterable
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .._logging import warn_once
+
+__all__ = ["resolve_module_classes", "wrap_fsdp", "wrap_ddp"]
+
+
+def resolve_module_classes(model: nn.Module, names: Iterable[str], *, what: str) -> set[type[nn.Module]]:
+    """Map class names to the module classes found in ``model``.
+
+    Args:
+        model: the model to search.
+        names: class names such as ``{"GPT2Block"}``.
+        what: how the caller calls this setting, used in the error (``"dist.fsdp.wrap_layer_cls"``).
+
+    Returns:
+        The classes, one per name.
+
+    Raises:
+        ValueError: a name matches no module of ``model``; the message lists the classes it has.
+    """
+    by_name: dict[str, type[nn.Module]] = {}
+    for module in model.modules():
+        by_name.setdefault(type(module).__name__, type(module))
+    missing = sorted(set(names) - set(by_name))
+    if missing:
+        raise ValueError(
+            f"{what}: no module of class {', '.join(repr(m) for m in missing)} in {type(model).__name__}; "
+            f"the model contains: {', '.join(sorted(by_name))}"
+        )
+    return {by_name[name] for name in names}
+
+
+def _modules_with_foreign_params(model: nn.Module, candidates: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """Candidates sharing a parameter with a module outside them (tied weights), with that parameter's name."""
+    owners: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append(f"{module_name}.{param_name}" if module_name else param_name)
+    tied: dict[str, str] = {}
+    for name, module in candidates:
+        prefix = f"{name}."
+        for param in module.parameters():
+            outside = [fqn for fqn in owners[id(param)] if not fqn.startswith(prefix)]
+            if outside:
+                tied[name] = outside[0]
+                break
+    return tied
+
+
+def wrap_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    layer_classes: Collection[type[nn.Module]],
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+) -> nn.Module:
+    """Shard ``model`` in place: every module of ``layer_classes`` bottom-up, then the root.
+
+    Each wrapped module becomes one FSDP unit: its parameters are all-gathered just before its
+    forward and freed after. Parameters outside every unit (embeddings, final norm, head) belong to
+    the root unit. A unit whose parameters are tied to a module outside it (GPT-2's ``wte`` and
+    ``lm_head``) is left to its parent, because tied weights must live in one FSDP group.
+
+    Args:
+        model: the model, on any device; its parameter names are unchanged.
+        mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP).
+        layer_classes: module classes to make units of (resolve names with ``resolve_module_classes``).
+        mp_policy: FSDP2 mixed precision; defaults to the parameters' own dtype with float32 reduction.
+        reshard_after_forward: free gathered parameters after forward (True) or keep them for backward.
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule`` whose parameters are DTensors.
+
+    Example:
+        >>> wrap_fsdp(model, mesh, {GPT2Block}, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    """
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()
+    classes = tuple(layer_classes)
+    candidates = [(n, m) for n, m in model.named_modules() if m is not model and isinstance(m, classes)]
+    for name, param_name in _modules_with_foreign_params(model, candidates).items():
+        warn_once(
+            f"not sharding {name} as its own unit: its parameter is tied to {param_name}, and tied weights "
+            "must live in one FSDP group; it is sharded with its parent instead"
+        )
+        candidates = [(n, m) for n, m in candidates if n != name]
+    # named_modules() lists parents before children, so the reverse shards children first.
+    for _, module in reversed(candidates):
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    return model
+
+
+def wrap_ddp(model: nn.Module, *, sync_module_states: bool = True) -> nn.Module:
+    """Replicate ``model`` across all ranks with DDP gradient all-reduce, keeping its parameter names.
+
+    Args:
+        model: the model, already on this rank's device.
+        sync_module_states: broadcast rank 0's parameters and buffers first.
+
+    Returns:
+        ``model`` itself, with DDP's gradient hooks installed.
+    """
+    # The composable replicate() is DDP without the wrapper class, so state_dict keys get no "module." prefix.
+    from torch.distributed._composable import replicate
+
+    return replicate(model, init_sync=sync_module_states)
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """True when ``model`` or one of its submodules is already sharded by FSDP2."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
