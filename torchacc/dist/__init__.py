@@ -5,7 +5,16 @@ Everything here works without torchrun as a world of one.
 
 from . import fsdp
 from .collectives import all_reduce, barrier, broadcast, mark_step, reduce, rendezvous
-from .env import device, init_distributed, is_master_ordinal, local_rank, local_world_size, rank, world_size
+from .env import (
+    device,
+    init_distributed,
+    is_master_ordinal,
+    local_rank,
+    local_world_size,
+    rank,
+    teardown,
+    world_size,
+)
 
 __all__ = [
     "init_distributed",
@@ -21,5 +30,6 @@ __all__ = [
     "broadcast",
     "all_reduce",
     "reduce",
+    "teardown",
     "fsdp",
 ]

@@ -5,6 +5,7 @@ process group is created. Under torchrun the default group is started on first n
 CUDA tensors (with gloo beside it for CPU tensors), gloo on a CPU-only machine.
 """
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ __all__ = [
     "local_world_size",
     "is_master_ordinal",
     "device",
+    "teardown",
 ]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -78,7 +80,16 @@ def init_distributed(*, timeout: float = 1800.0) -> bool:
     else:
         backend = "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout))
+    # A process that exits with a live gloo/NCCL group can abort in the C++ teardown
+    # ("terminate called without an active exception"), turning a finished run into a failed job.
+    atexit.register(teardown)
     return True
+
+
+def teardown() -> None:
+    """Destroy the process group torchacc started (safe to call twice, or when none is running)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_distributed() -> bool:

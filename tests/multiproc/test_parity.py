@@ -1,19 +1,17 @@
 """Sharded training must match one process on the same global batches (the parity oracle).
 
-One launch per world size runs every scenario (see tests/dist/scenarios.py); the reference runs
+One launch per world size runs every scenario (see tests/multiproc/scenarios.py); the reference runs
 here, in the pytest process, on the concatenation of the ranks' batches.
 """
 
 from pathlib import Path
 
 import pytest
-import torch
 from _launch import launch
-from _models import tiny_gpt2, token_dataset
+from _parity import assert_parity
 from torch.distributed.tensor import Replicate, Shard
 
 SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
-ATOL, RTOL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -24,35 +22,6 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     return launch(f"{SCENARIOS}:hsdp_suite", 4, tmp_path_factory.mktemp("four_ranks"))
-
-
-def reference_run(indices_per_rank: list[list[list[int]]]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train one unsharded model (rank 0's initial weights) on the union of the ranks' batches."""
-    data = token_dataset(32)
-    model = tiny_gpt2(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(len(indices_per_rank[0])):
-        batch = [data[i] for rank_indices in indices_per_rank for i in rank_indices[step]]
-        ids = torch.stack([sample["input_ids"] for sample in batch])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_parity(results: list[dict]) -> None:
-    ref_losses, ref_state = reference_run([r["indices"] for r in results])
-    # Each rank's loss is the mean over its own equal-sized batch, so their mean is the global loss.
-    mean_losses = torch.tensor([r["losses"] for r in results]).mean(dim=0)
-    torch.testing.assert_close(mean_losses, torch.tensor(ref_losses), atol=ATOL, rtol=RTOL)
-    assert results[0]["keys"] == sorted(ref_state), "accelerate() must keep the state_dict keys"
-    for result in results:
-        assert result["state"].keys() == ref_state.keys()
-        for name, value in ref_state.items():
-            torch.testing.assert_close(result["state"][name], value, atol=ATOL, rtol=RTOL, msg=name)
 
 
 @pytest.mark.parametrize("scenario", ["fsdp", "fsdp_gc", "fsdp_opt_first", "dp"])

@@ -4,6 +4,8 @@ Every function here returns plain data; the assertions live in the test modules,
 the ranks' results with a single-process reference computed in the pytest process.
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from _models import TinyNet, tiny_gpt2, token_dataset
@@ -50,7 +52,7 @@ def train_gpt2(config: torchacc.Config, *, optimizer_first: bool = False, num_st
         model, loader = torchacc.accelerate(model, loader, config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, indices = [], []
-    for _, batch in zip(range(num_steps), loader):
+    for batch in itertools.islice(loader, num_steps):
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         loss.backward()
         optimizer.step()
@@ -163,3 +165,7 @@ def hsdp_suite() -> dict:
         "hsdp": train_gpt2(gpt2_config(fsdp=2, dp=2)),
         "hsdp_strided": train_gpt2(gpt2_config(fsdp=2, dp=2, dist__topology=["fsdp", "dp"]), num_steps=2),
     }
+
+
+def train_gpt2_fsdp() -> dict:
+    return train_gpt2(gpt2_config(fsdp=2))
