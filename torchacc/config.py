@@ -8,55 +8,29 @@
 
 Construction type-checks every field; ``validate(world_size)`` type-checks again (attributes may have
 been assigned since) and applies the value and cross-field rules. ``field_docs`` reads the attribute
-docstrings back for the generated docs.
+docstrings back for the generated docs. Type checking, merging and the dict/YAML/CLI conversions live in
+``torchacc._config_io``.
 """
 
 import ast
 import dataclasses
-import difflib
-import functools
 import inspect
 import os
-import sys
 import textwrap
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
+
+from . import _config_io
+from ._config_io import Node, fmt
 
 __all__ = ["ComputeConfig", "Config", "DPConfig", "DataLoaderConfig", "DistConfig", "FSDPConfig", "MemoryConfig"]
 __all__ += ["field_docs"]  # reused by the docs generator
 
-# What to write instead, per expected type; the "how to fix" part of every type error.
-_EXAMPLES = {
-    bool: "True or False",
-    int: "an integer such as 2",
-    float: "a number such as 1800.0",
-    set: "a set of class names such as {'GPT2Block'} (in YAML or on the command line: [GPT2Block])",
-    list: "a list of str such as ['dp', 'fsdp']",
-}
-
-
-class _Node:
-    """Base of every config node: type-checks (and normalizes) the fields on construction."""
-
-    __slots__ = ()
-    _path: ClassVar[str] = ""  # dotted path of this node in the Config tree, for error messages
-
-    def __post_init__(self) -> None:
-        self._check_types()
-
-    def _check_types(self, recursive: bool = False) -> None:
-        for name, tp in _field_types(type(self)):
-            value = _check_type(getattr(self, name), tp, f"{self._path}.{name}".lstrip("."))
-            setattr(self, name, value)
-            if recursive and isinstance(value, _Node):
-                value._check_types(recursive=True)
-
 
 @dataclass(kw_only=True, slots=True)
-class ComputeConfig(_Node):
+class ComputeConfig(Node):
     """Numeric precision of the forward and backward passes."""
 
     _path: ClassVar[str] = "compute"
@@ -67,7 +41,7 @@ class ComputeConfig(_Node):
 
 
 @dataclass(kw_only=True, slots=True)
-class MemoryConfig(_Node):
+class MemoryConfig(Node):
     """Memory savings: activation checkpointing ("gc", gradient checkpointing in TorchAcc's words)."""
 
     _path: ClassVar[str] = "memory"
@@ -81,7 +55,7 @@ class MemoryConfig(_Node):
 
 
 @dataclass(kw_only=True, slots=True)
-class DPConfig(_Node):
+class DPConfig(Node):
     """Data parallelism: model replicas that train on different data."""
 
     _path: ClassVar[str] = "dist.dp"
@@ -90,7 +64,7 @@ class DPConfig(_Node):
 
 
 @dataclass(kw_only=True, slots=True)
-class FSDPConfig(_Node):
+class FSDPConfig(Node):
     """Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``)."""
 
     _path: ClassVar[str] = "dist.fsdp"
@@ -105,7 +79,7 @@ class FSDPConfig(_Node):
 
 
 @dataclass(kw_only=True, slots=True)
-class DistConfig(_Node):
+class DistConfig(Node):
     """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
 
     _path: ClassVar[str] = "dist"
@@ -121,7 +95,7 @@ class DistConfig(_Node):
 
 
 @dataclass(kw_only=True, slots=True)
-class DataLoaderConfig(_Node):
+class DataLoaderConfig(Node):
     """How torchacc rebuilds the user's DataLoader."""
 
     _path: ClassVar[str] = "dataloader"
@@ -138,7 +112,7 @@ class DataLoaderConfig(_Node):
 
 
 @dataclass(kw_only=True, slots=True)
-class Config(_Node):
+class Config(Node):
     """The whole torchacc configuration: build it, set attributes, then call ``validate(world_size)``."""
 
     compute: ComputeConfig = field(default_factory=ComputeConfig)
@@ -204,7 +178,7 @@ class Config(_Node):
         for name, value in (("gc_cnt", m.gc_cnt), ("gc_cls", m.gc_cls or None)):
             if value is not None and not m.gc:
                 raise ValueError(
-                    f"memory.{name}={_fmt(value)} is set but memory.gc is False; "
+                    f"memory.{name}={fmt(value)} is set but memory.gc is False; "
                     f"set memory.gc=True to enable activation checkpointing, or unset memory.{name}"
                 )
         if m.gc and not m.gc_cls and not d.fsdp.wrap_layer_cls:
@@ -230,13 +204,11 @@ class Config(_Node):
 
     def to_dict(self) -> dict[str, Any]:
         """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""
-        return _plain(self)
+        return _config_io.to_plain(self)
 
     def to_yaml(self) -> str:
         """Return the tree as YAML text that ``from_yaml`` reads back."""
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_yaml(self.to_dict())
+        return _config_io.to_yaml(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Config":
@@ -253,7 +225,7 @@ class Config(_Node):
         Raises:
             ValueError: For an unknown key (listing the valid keys at that level) or a value of the wrong type.
         """
-        return cls._merge([d])
+        return _config_io.merge(cls, [d])
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "Config":
@@ -269,12 +241,7 @@ class Config(_Node):
             FileNotFoundError: If the file does not exist.
             ValueError: As ``from_dict``, with the file name appended.
         """
-        from omegaconf import OmegaConf
-
-        try:
-            return cls._merge([OmegaConf.load(path)])
-        except ValueError as e:
-            raise ValueError(f"{e} (in {os.fspath(path)})") from None
+        return _config_io.from_yaml(cls, path)
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None, *, base: "Config | None" = None) -> "Config":
@@ -296,54 +263,7 @@ class Config(_Node):
             FileNotFoundError: If a ``config=`` file does not exist.
             ValueError: For an argument that is not ``KEY=VALUE``, an unknown key or a value of the wrong type.
         """
-        import yaml
-        from omegaconf import OmegaConf
-
-        files: list[Any] = [] if base is None else [base.to_dict()]  # then the files, then the overrides
-        overrides = []
-        for arg in sys.argv[1:] if argv is None else argv:
-            key, sep, value = arg.partition("=")
-            if not sep or "" in key.split("."):
-                raise ValueError(f"{arg!r}: expected KEY=VALUE such as dist.fsdp.size=2, or config=PATH.yaml")
-            if key == "config":
-                files.append(OmegaConf.load(value))
-            else:
-                overrides.append(arg)
-        for arg in overrides:
-            try:
-                files.append(OmegaConf.from_dotlist([arg]))
-            except yaml.YAMLError as e:
-                raise ValueError(f"{arg!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
-        return cls._merge(files)
-
-    @classmethod
-    def _merge(cls, sources: list[Any]) -> "Config":
-        """Merge user mappings (later wins) into the typed OmegaConf schema and build the dataclasses."""
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
-
-        for src in sources:
-            _require_sections(src, cls, "")
-        user = OmegaConf.merge({}, *[s if isinstance(s, DictConfig) else OmegaConf.create(_plain(s)) for s in sources])
-        try:
-            data = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(_schema(cls)), user), resolve=True)
-        except ConfigKeyError as e:
-            parent, _, key = e.full_key.rpartition(".")
-            node = _type_at(parent)
-            valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {f'{parent}.' if parent else ''}{close[0]}?" if close else ""
-            where = f"under {parent}" if parent else "at the top level"
-            raise ValueError(f"{e.full_key}: unknown key; valid keys {where}: {', '.join(valid)}{hint}") from None
-        except OmegaConfBaseException as e:
-            key = (e.full_key or "").split("[")[0]
-            if not key or not isinstance(e, ValidationError) or _type_at(key) is None:
-                raise ValueError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
-            value = OmegaConf.select(user, key, throw_on_resolution_failure=False)
-            if isinstance(value, (DictConfig, ListConfig)):
-                value = OmegaConf.to_container(value)
-            raise _type_error(key, _type_at(key), value) from None
-        return _build(cls, data)
+        return _config_io.from_cli(cls, argv, base)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -368,101 +288,3 @@ def field_docs(cls: type) -> dict[str, str]:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, str):
             docs[stmt.target.id] = inspect.cleandoc(doc)
     return {f.name: docs.get(f.name, "") for f in dataclasses.fields(typing.cast(Any, cls))}
-
-
-@functools.cache
-def _field_types(cls: Any) -> list[tuple[str, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
-
-
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return next(a for a in typing.get_args(tp) if a is not type(None)), True
-    return tp, False
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(sorted(map(repr, value))) + "}" if value else "set()"
-    return repr(value)
-
-
-def _type_error(path: str, tp: Any, value: Any) -> ValueError:
-    inner, optional = _strip_optional(tp)
-    origin = typing.get_origin(inner)
-    name = f"{origin.__name__} of str" if origin else inner.__name__
-    expected = f"{name} or None" if optional else name
-    use = _EXAMPLES.get(origin or inner, f"a {name} instance") + (" or None" if optional else "")
-    return ValueError(f"{path}: expected {expected}, got {_fmt(value)} ({type(value).__name__}); use {use}")
-
-
-def _check_type(value: Any, tp: Any, path: str) -> Any:
-    """Return ``value`` normalized to ``tp`` (list/tuple -> set, int -> float), or raise ValueError."""
-    inner, optional = _strip_optional(tp)
-    origin = typing.get_origin(inner)
-    if value is None and optional:
-        return None
-    if origin is set and isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
-        return set(value)
-    if origin is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if origin is None and isinstance(value, inner) and not (inner is int and isinstance(value, bool)):
-        return value
-    raise _type_error(path, tp, value)
-
-
-def _plain(value: Any) -> Any:
-    """Return ``value`` as plain YAML-able data: dataclasses to dicts, sets to sorted lists, tuples to lists."""
-    if isinstance(value, _Node):
-        return {name: _plain(getattr(value, name)) for name, _ in _field_types(type(value))}
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=str)
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-@functools.cache
-def _schema(cls: type) -> type:
-    """Derive the OmegaConf structured-config dataclass of ``cls``: OmegaConf has no set type, so set -> list."""
-    default, specs = cls(), []
-    for name, tp in _field_types(cls):
-        value = getattr(default, name)
-        if dataclasses.is_dataclass(tp):
-            specs.append((name, _schema(tp), field(default_factory=_schema(tp))))
-        elif typing.get_origin(tp) in (set, list):
-            specs.append((name, list[str], field(default_factory=functools.partial(list, _plain(value)))))
-        else:
-            specs.append((name, tp, field(default=value)))
-    return dataclasses.make_dataclass(cls.__name__, specs, kw_only=True)
-
-
-def _type_at(path: str) -> Any:
-    """Return the annotation at a dotted path ("" is Config itself), or None if the path leaves the tree."""
-    tp: Any = Config
-    for part in path.split(".") if path else []:
-        tp = dict(_field_types(tp)).get(part) if dataclasses.is_dataclass(tp) else None
-    return tp
-
-
-def _require_sections(src: Any, cls: type, path: str) -> None:
-    """Raise unless ``src`` has a mapping wherever ``cls`` has a section; OmegaConf reports those without a key."""
-    if not isinstance(src, Mapping):
-        keys = ", ".join(name for name, _ in _field_types(cls))
-        raise ValueError(f"{path or 'config'}: expected a mapping with keys {keys}, got {_fmt(src)}")
-    for key, value in src.items():
-        tp = dict(_field_types(cls)).get(key)
-        if dataclasses.is_dataclass(tp):
-            _require_sections(value, tp, f"{path}.{key}".lstrip("."))
-
-
-def _build(cls: type, data: Mapping[str, Any]) -> Any:
-    """Instantiate the real dataclasses from merged plain data (lists -> sets for set fields)."""
-    kwargs = {}
-    for name, tp in _field_types(cls):
-        value = data[name]
-        kwargs[name] = _build(tp, value) if dataclasses.is_dataclass(tp) else value
-    return cls(**kwargs)

@@ -1,0 +1,210 @@
+"""Machinery behind ``torchacc.config``: field type checks, the OmegaConf schema, merging and plain-data conversion.
+
+Nothing here imports ``torchacc.config``; the functions that need the tree take its root class as an argument.
+"""
+
+import dataclasses
+import difflib
+import functools
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import field
+from typing import Any, ClassVar, Union
+
+# What to write instead, per expected type; the "how to fix" part of every type error.
+_EXAMPLES = {
+    bool: "True or False",
+    int: "an integer such as 2",
+    float: "a number such as 1800.0",
+    set: "a set of class names such as {'GPT2Block'} (in YAML or on the command line: [GPT2Block])",
+    list: "a list of str such as ['dp', 'fsdp']",
+}
+
+
+class Node:
+    """Base of every config node: type-checks (and normalizes) the fields on construction."""
+
+    __slots__ = ()
+    _path: ClassVar[str] = ""  # dotted path of this node in the Config tree, for error messages
+
+    def __post_init__(self) -> None:
+        self._check_types()
+
+    def _check_types(self, recursive: bool = False) -> None:
+        for name, tp in field_types(type(self)):
+            value = _check_type(getattr(self, name), tp, f"{self._path}.{name}".lstrip("."))
+            setattr(self, name, value)
+            if recursive and isinstance(value, Node):
+                value._check_types(recursive=True)
+
+
+@functools.cache
+def field_types(cls: Any) -> list[tuple[str, Any]]:
+    """Return ``[(field name, resolved annotation)]`` of a dataclass, in field order."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def fmt(value: Any) -> str:
+    """Return ``repr(value)``, with sets sorted so that every rank prints the same message."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(map(repr, value))) + "}" if value else "set()"
+    return repr(value)
+
+
+def to_plain(value: Any) -> Any:
+    """Return ``value`` as plain YAML-able data: dataclasses to dicts, sets to sorted lists, tuples to lists."""
+    if isinstance(value, Node):
+        return {name: to_plain(getattr(value, name)) for name, _ in field_types(type(value))}
+    if isinstance(value, Mapping):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return [to_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def to_yaml(node: Node) -> str:
+    """Return ``node`` as YAML text."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(to_plain(node))
+
+
+def from_yaml(cls: type, path: str | os.PathLike[str]) -> Any:
+    """Build ``cls`` from a YAML file; a ValueError gets the file name appended."""
+    from omegaconf import OmegaConf
+
+    try:
+        return merge(cls, [OmegaConf.load(path)])
+    except ValueError as e:
+        raise ValueError(f"{e} (in {os.fspath(path)})") from None
+
+
+def from_cli(cls: type, argv: Sequence[str] | None, base: Any) -> Any:
+    """Build ``cls`` from ``KEY=VALUE`` arguments layered as ``base``, ``config=`` files, then dotted overrides."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    files: list[Any] = [] if base is None else [base.to_dict()]  # then the files, then the overrides
+    overrides = []
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, sep, value = arg.partition("=")
+        if not sep or "" in key.split("."):
+            raise ValueError(f"{arg!r}: expected KEY=VALUE such as dist.fsdp.size=2, or config=PATH.yaml")
+        if key == "config":
+            files.append(OmegaConf.load(value))
+        else:
+            overrides.append(arg)
+    for arg in overrides:
+        try:
+            files.append(OmegaConf.from_dotlist([arg]))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{arg!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
+    return merge(cls, files)
+
+
+def merge(cls: type, sources: list[Any]) -> Any:
+    """Merge user mappings (later wins) into the typed OmegaConf schema of ``cls`` and build the dataclasses."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    for src in sources:
+        _require_sections(src, cls, "")
+    user = OmegaConf.merge({}, *[s if isinstance(s, DictConfig) else OmegaConf.create(to_plain(s)) for s in sources])
+    try:
+        data = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(_schema(cls)), user), resolve=True)
+    except ConfigKeyError as e:
+        parent, _, key = e.full_key.rpartition(".")
+        node = _type_at(cls, parent)
+        valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"; did you mean {f'{parent}.' if parent else ''}{close[0]}?" if close else ""
+        where = f"under {parent}" if parent else "at the top level"
+        raise ValueError(f"{e.full_key}: unknown key; valid keys {where}: {', '.join(valid)}{hint}") from None
+    except OmegaConfBaseException as e:
+        key = (e.full_key or "").split("[")[0]
+        if not key or not isinstance(e, ValidationError) or _type_at(cls, key) is None:
+            raise ValueError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+        value = OmegaConf.select(user, key, throw_on_resolution_failure=False)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value)
+        raise _type_error(key, _type_at(cls, key), value) from None
+    return _build(cls, data)
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None)), True
+    return tp, False
+
+
+def _type_error(path: str, tp: Any, value: Any) -> ValueError:
+    inner, optional = _strip_optional(tp)
+    origin = typing.get_origin(inner)
+    name = f"{origin.__name__} of str" if origin else inner.__name__
+    expected = f"{name} or None" if optional else name
+    use = _EXAMPLES.get(origin or inner, f"a {name} instance") + (" or None" if optional else "")
+    return ValueError(f"{path}: expected {expected}, got {fmt(value)} ({type(value).__name__}); use {use}")
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    """Return ``value`` normalized to ``tp`` (list/tuple -> set, int -> float), or raise ValueError."""
+    inner, optional = _strip_optional(tp)
+    origin = typing.get_origin(inner)
+    if value is None and optional:
+        return None
+    if origin is set and isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
+        return set(value)
+    if origin is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if origin is None and isinstance(value, inner) and not (inner is int and isinstance(value, bool)):
+        return value
+    raise _type_error(path, tp, value)
+
+
+@functools.cache
+def _schema(cls: type) -> type:
+    """Derive the OmegaConf structured-config dataclass of ``cls``: OmegaConf has no set type, so set -> list."""
+    default, specs = cls(), []
+    for name, tp in field_types(cls):
+        value = getattr(default, name)
+        if dataclasses.is_dataclass(tp):
+            specs.append((name, _schema(tp), field(default_factory=_schema(tp))))
+        elif typing.get_origin(tp) in (set, list):
+            specs.append((name, list[str], field(default_factory=functools.partial(list, to_plain(value)))))
+        else:
+            specs.append((name, tp, field(default=value)))
+    return dataclasses.make_dataclass(cls.__name__, specs, kw_only=True)
+
+
+def _type_at(root: type, path: str) -> Any:
+    """Return the annotation at a dotted path under ``root`` ("" is ``root`` itself), or None if it leaves the tree."""
+    tp: Any = root
+    for part in path.split(".") if path else []:
+        tp = dict(field_types(tp)).get(part) if dataclasses.is_dataclass(tp) else None
+    return tp
+
+
+def _require_sections(src: Any, cls: type, path: str) -> None:
+    """Raise unless ``src`` has a mapping wherever ``cls`` has a section; OmegaConf reports those without a key."""
+    if not isinstance(src, Mapping):
+        keys = ", ".join(name for name, _ in field_types(cls))
+        raise ValueError(f"{path or 'config'}: expected a mapping with keys {keys}, got {fmt(src)}")
+    for key, value in src.items():
+        tp = dict(field_types(cls)).get(key)
+        if dataclasses.is_dataclass(tp):
+            _require_sections(value, tp, f"{path}.{key}".lstrip("."))
+
+
+def _build(cls: type, data: Mapping[str, Any]) -> Any:
+    """Instantiate the real dataclasses from merged plain data (lists -> sets for set fields)."""
+    kwargs = {}
+    for name, tp in field_types(cls):
+        value = data[name]
+        kwargs[name] = _build(tp, value) if dataclasses.is_dataclass(tp) else value
+    return cls(**kwargs)
