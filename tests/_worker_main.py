@@ -9,7 +9,7 @@ import torch
 if __name__ == "__main__":
     target, out_path, *args = sys.argv[1:]
     path, func_name = target.rsplit(":", 1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(path).resolve().parent)]
     spec = importlib.util.spec_from_file_location("_scenario", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -5,6 +5,9 @@ The public surface, by job:
 * configure: :class:`Config` and its sections (from code, a dict, YAML or the command line);
 * accelerate: :func:`accelerate` shards a model and splits a dataloader in one call;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
+* checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
+  :func:`load_optim_state_dict` (keyed by names), :func:`consolidate` and :func:`reshard_checkpoint`
+  (offline, streaming);
 * distribute: :mod:`torchacc.dist` (ranks, rendezvous, collectives, the sharding mechanism).
 
 Importing torchacc changes nothing in torch and sets no environment variables.
@@ -12,8 +15,13 @@ Importing torchacc changes nothing in torch and sets no environment variables.
 
 from . import dist
 from .accelerate import accelerate
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig
+from .consolidate import consolidate, reshard_checkpoint
+from .hf import export_hf
+from .optim_state import load_optim_state_dict, optim_state_dict
 from .precision import GradScaler
+from .serialization import load, save
 
 __version__ = "0.1.0"
 
@@ -27,5 +35,15 @@ __all__ = [
     "DataLoaderConfig",
     "accelerate",
     "GradScaler",
+    "save",
+    "load",
+    "optim_state_dict",
+    "load_optim_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "consolidate",
+    "reshard_checkpoint",
+    "export_hf",
     "dist",
 ]

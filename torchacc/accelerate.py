@@ -8,6 +8,7 @@ optimizer remap -> the sharded dataloader.
 """
 
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from .dist.collectives import broadcast_tensors
 from .dist.fsdp import is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
 from .dist.mesh import build_mesh
 from .precision import compute_dtype, install_autocast
+from .sharded_state import get_shard_metadata, load_state_dict
 
 __all__ = ["accelerate"]
 
@@ -131,6 +133,10 @@ def accelerate(
         _remap_optimizer(optimizer, param_names, model)
     if not hasattr(type(model), "device"):
         model.device = device
+    # Checkpoint helpers on the instance: TorchAcc scripts call model.get_shard_metadata(), and
+    # load_state_dict must also take full (consolidated) and local-shard state dicts.
+    model.get_shard_metadata = MethodType(get_shard_metadata, model)
+    model.load_state_dict = MethodType(load_state_dict, model)
     model._torchacc = AcceleratedState(device, mesh, dp_size, fsdp_size, dtype)
 
     if optimizer is not None:

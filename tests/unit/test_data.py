@@ -1,5 +1,6 @@
 """Unit tests for torchacc.data on CPU, without a process group."""
 
+import json
 from collections import OrderedDict, defaultdict, namedtuple
 
 import pytest
@@ -232,3 +233,271 @@ def test_cuda_prefetch_places_pinned_batches() -> None:
         assert sorted(batches[0]["pair"].a.tolist() + batches[1]["pair"].a.tolist()) == [0, 2, 4, 6, 8, 10, 12, 14]
     pinned = torch.ones(8).pin_memory()
     assert move_to_device(pinned, device, non_blocking=True).device.type == "cuda"
+
+
+# --- Resuming: ShardedDataLoader.state_dict / load_state_dict ---------------------------------------
+
+
+def _sharded(
+    n: int, num_replicas: int, rank: int, *, batch_size: int | None = 3, shuffle: bool = True, seed: int = 7, **kwargs
+) -> ShardedDataLoader:
+    loader = DataLoader(torch.arange(n), batch_size=batch_size, shuffle=shuffle)
+    return shard_dataloader(loader, num_replicas=num_replicas, rank=rank, device=CPU, seed=seed, **kwargs)
+
+
+def _take(loader: ShardedDataLoader, num_batches: int) -> list:
+    """Start a pass and consume ``num_batches`` of it without finishing it."""
+    batches = iter(loader)
+    return [next(batches).tolist() for _ in range(num_batches)]
+
+
+def _global_order(n: int, epoch: int, *, shuffle: bool = True, seed: int = 7) -> list[int]:
+    order = _sharded(n, 1, 0, batch_size=None, shuffle=shuffle, seed=seed)
+    order.set_epoch(epoch)
+    return _flat(_collect(order))
+
+
+def _flat(batches: list) -> list[int]:
+    return [sample for batch in batches for sample in (batch if isinstance(batch, list) else [batch])]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("stop", ["mid_epoch", "last_batch", "after_epoch"])
+def test_same_world_resume_matches_uninterrupted_run(shuffle: bool, drop_last: bool, stop: str) -> None:
+    n, num_replicas = 23, 3  # uneven: rank shares are padded or cut
+    full = _sharded(n, num_replicas, 0, shuffle=shuffle, drop_last=drop_last)
+    per_epoch = len(full)
+    consumed = {"mid_epoch": 1, "last_batch": per_epoch, "after_epoch": 0}[stop]
+    states = []
+    for rank in range(num_replicas):
+        uninterrupted = _sharded(n, num_replicas, rank, shuffle=shuffle, drop_last=drop_last)
+        expected = [_collect(uninterrupted) for _ in range(3)]
+        before = _sharded(n, num_replicas, rank, shuffle=shuffle, drop_last=drop_last)
+        assert _collect(before) == expected[0]
+        assert _take(before, consumed) == expected[1][:consumed]
+        state = json.loads(json.dumps(before.state_dict()))
+        states.append(state)
+        after = _sharded(n, num_replicas, rank, shuffle=shuffle, drop_last=drop_last)
+        after.load_state_dict(state)
+        resumed_epoch = 2 if stop == "last_batch" else 1
+        assert len(after) == len(expected[resumed_epoch]) - (consumed if stop == "mid_epoch" else 0)
+        rest = _collect(after)
+        if stop == "last_batch":  # a finished epoch is saved as the start of the next one
+            assert state["epoch"] == 2 and state["batches_consumed"] == 0
+            assert rest == expected[2]
+        else:
+            assert state["epoch"] == 1 and state["batches_consumed"] == consumed
+            assert rest == expected[1][consumed:]
+            assert len(after) == per_epoch  # the resumed pass is over: full epochs again
+            assert _collect(after) == expected[2]
+    assert all(state == states[0] for state in states)  # the rank does not matter
+
+
+def test_state_dict_is_plain_json() -> None:
+    loader = _sharded(10, 2, 1, batch_size=None, drop_last=True)
+    _take(loader, 2)
+    state = loader.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    assert state == {
+        "version": 1,
+        "sharded": True,
+        "epoch": 0,
+        "batches_consumed": 2,
+        "split_start": 0,
+        "num_replicas": 2,
+        "batch_size": None,
+        "seed": 7,
+        "shuffle": True,
+        "drop_last": True,
+        "dataset_len": 10,
+    }
+
+
+def test_state_counts_yielded_batches_not_prefetched_ones() -> None:
+    loader = DataLoader(_indices(32), batch_size=2, num_workers=1, prefetch_factor=4)
+    sharded = shard_dataloader(loader, num_replicas=2, rank=0, device=CPU)
+    assert sharded.state_dict()["batches_consumed"] == 0
+    batches = iter(sharded)
+    first = [next(batches).tolist() for _ in range(3)]
+    assert sharded.state_dict()["batches_consumed"] == 3
+    resumed = shard_dataloader(loader, num_replicas=2, rank=0, device=CPU)
+    resumed.load_state_dict(sharded.state_dict())
+    assert first + _collect(resumed) == _collect(shard_dataloader(loader, num_replicas=2, rank=0, device=CPU))
+
+
+def _change_world(n: int, old: int, new: int, consumed: int, **kwargs) -> tuple[list[int], list[list[list[int]]]]:
+    """Consume ``consumed`` batches of epoch 1 on ``old`` ranks, resume on ``new`` ranks; return both parts."""
+    taken, state = [], None
+    for rank in range(old):
+        loader = _sharded(n, old, rank, **kwargs)
+        loader.set_epoch(1)
+        taken += _flat(_take(loader, consumed))
+        assert state in (None, loader.state_dict())
+        state = loader.state_dict()
+    resumed = []
+    for rank in range(new):
+        loader = _sharded(n, new, rank, **kwargs)
+        loader.load_state_dict(state)
+        num_batches = len(loader)
+        resumed.append(_collect(loader))
+        assert len(resumed[-1]) == num_batches
+        fresh = _sharded(n, new, rank, **kwargs)
+        fresh.set_epoch(2)
+        assert len(loader) == len(fresh)
+        assert _collect(loader) == _collect(fresh)  # the next pass is a full epoch 2
+    return taken, resumed
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("n", [48, 50])  # even for every world size, and not
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_world_size_change_resplits_the_rest_of_the_epoch(old: int, new: int, n: int, drop_last: bool) -> None:
+    batch_size, consumed = 3, 2
+    taken, resumed = _change_world(n, old, new, consumed, batch_size=batch_size, drop_last=drop_last)
+    order = _global_order(n, 1)
+    prefix = consumed * batch_size * old
+    assert sorted(taken) == sorted(order[:prefix])  # the old ranks took a prefix of the epoch's global order
+    remaining = order[prefix:]
+    seen = [sample for rank in resumed for sample in _flat(rank)]
+    assert len({len(rank) for rank in resumed}) == 1  # every new rank runs the same number of steps
+    assert not set(seen) & set(taken)  # nothing consumed is replayed
+    if not drop_last:
+        assert set(seen) == set(remaining)  # nothing is skipped
+        assert len(seen) == -(-len(remaining) // new) * new  # repeats only as padding, fewer than new
+    else:
+        assert len(seen) == len(set(seen))
+        assert len(remaining) - len(seen) < new * batch_size  # only a tail that fills no batch is dropped
+    if len(remaining) % new == 0 and not drop_last:
+        assert sorted(seen) == sorted(remaining)  # exactly once
+
+
+def test_world_size_change_then_save_again() -> None:
+    n, batch_size = 50, 2
+    kwargs = {"batch_size": batch_size}
+    states = []
+    for rank in range(2):
+        loader = _sharded(n, 2, rank, **kwargs)
+        _take(loader, 3)
+        states.append(loader.state_dict())
+    taken = 3 * batch_size * 2
+    order = _global_order(n, 0)
+    continued, stopped = [], []
+    for rank in range(4):
+        uninterrupted = _sharded(n, 4, rank, **kwargs)
+        uninterrupted.load_state_dict(states[0])
+        continued.append(_collect(uninterrupted))
+        loader = _sharded(n, 4, rank, **kwargs)
+        loader.load_state_dict(states[0])
+        _take(loader, 2)
+        stopped.append(loader.state_dict())
+    assert stopped[0]["split_start"] == taken and stopped[0]["batches_consumed"] == 2
+    for rank in range(4):  # the same world again: bitwise the batches of the run that did not stop
+        loader = _sharded(n, 4, rank, **kwargs)
+        loader.load_state_dict(stopped[0])
+        assert _collect(loader) == continued[rank][2:]
+    taken += 2 * batch_size * 4
+    seen = []
+    for rank in range(3):  # another world size: the rest, once each, plus padding
+        loader = _sharded(n, 3, rank, **kwargs)
+        loader.load_state_dict(stopped[0])
+        seen += _flat(_collect(loader))
+    assert set(seen) == set(order[taken:]) and len(seen) == -(-(n - taken) // 3) * 3
+
+
+def test_world_size_change_per_sample_batches() -> None:
+    taken, resumed = _change_world(9, 3, 2, 1, batch_size=None)
+    order = _global_order(9, 1)
+    assert sorted(taken) == sorted(order[:3])
+    assert [len(rank) for rank in resumed] == [3, 3]
+    assert sorted(sample for rank in resumed for sample in rank) == sorted(order[3:])
+
+
+def test_set_epoch_after_load_keeps_or_discards_the_resume() -> None:
+    loader = _sharded(12, 2, 0)
+    expected = [_collect(loader) for _ in range(2)]
+    loader.set_epoch(0)
+    _take(loader, 1)
+    state = loader.state_dict()
+    kept = _sharded(12, 2, 0)
+    kept.load_state_dict(state)
+    kept.set_epoch(0)  # the loaded epoch: an explicit per-epoch set_epoch call does not lose the position
+    assert _collect(kept) == expected[0][1:]
+    discarded = _sharded(12, 2, 0)
+    discarded.load_state_dict(state)
+    discarded.set_epoch(1)
+    assert len(discarded) == len(expected[1])
+    assert _collect(discarded) == expected[1]
+    assert discarded.state_dict()["epoch"] == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "saved", "current"),
+    [
+        ("batch_size", {"batch_size": 3}, {"batch_size": 4}),
+        ("seed", {"seed": 7}, {"seed": 8}),
+        ("shuffle", {"shuffle": True}, {"shuffle": False}),
+        ("drop_last", {"drop_last": False}, {"drop_last": True}),
+        ("dataset_len", {"n": 20}, {"n": 21}),
+    ],
+)
+def test_resume_mismatch_names_field_and_values(field: str, saved: dict, current: dict) -> None:
+    old = _sharded(saved.pop("n", 20), 2, 0, **saved)
+    _take(old, 1)
+    new = _sharded(current.pop("n", 20), 2, 0, **current)
+    state = old.state_dict()
+    match = rf"does not match this loader in {field} \(saved {state[field]!r}, current {new.state_dict()[field]!r}\)"
+    with pytest.raises(ValueError, match=match):
+        new.load_state_dict(state)
+    assert new.state_dict() == {**state, "batches_consumed": 0, field: new.state_dict()[field]}  # left unchanged
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"version": 2}, ValueError, r"version 2 \(this torchacc reads version 1\)"),
+        ({"sharded": False}, ValueError, r"saved from an unsharded loader \(shard=False\) but this is a sharded"),
+        ({"epoch": "1"}, ValueError, r"field 'epoch' must be int, got '1'"),
+        ({"shuffle": 1}, ValueError, r"field 'shuffle' must be bool, got 1"),
+        ({"num_replicas": True}, ValueError, r"field 'num_replicas' must be int, got True"),
+        ({"batches_consumed": -1}, ValueError, r"'batches_consumed' must be >= 0, got -1"),
+        ({"num_replicas": 0}, ValueError, r"'num_replicas' must be >= 1, got 0"),
+        ({"split_start": 20}, ValueError, r"'split_start' must be less than the dataset length 20, got 20"),
+        ({"batches_consumed": 4}, ValueError, r"4 batches of epoch 0 .* only 4 batches per rank .*set_epoch\(1\)"),
+    ],
+)
+def test_malformed_state_is_rejected(change: dict, error: type, match: str) -> None:
+    loader = _sharded(20, 2, 0)
+    state = {**loader.state_dict(), **change}
+    with pytest.raises(error, match=match):
+        loader.load_state_dict(state)
+
+
+def test_missing_fields_and_non_dict_are_rejected() -> None:
+    loader = _sharded(20, 2, 0)
+    state = loader.state_dict()
+    del state["seed"], state["dataset_len"]
+    with pytest.raises(ValueError, match=r"missing \['dataset_len', 'seed'\]"):
+        loader.load_state_dict(state)
+    with pytest.raises(TypeError, match="state must be a dict returned by ShardedDataLoader.state_dict"):
+        loader.load_state_dict([("epoch", 0)])
+
+
+def test_shard_false_resume_reads_past_consumed_batches() -> None:
+    def make() -> ShardedDataLoader:
+        return shard_dataloader(DataLoader(_indices(10), batch_size=2), num_replicas=1, rank=0, device=CPU, shard=False)
+
+    loader = make()
+    expected = _collect(loader)
+    _take(loader, 2)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state == {"version": 1, "sharded": False, "epoch": 1, "batches_consumed": 2}
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert len(resumed) == 3
+    assert _collect(resumed) == expected[2:]
+    assert resumed.epoch == 2 and len(resumed) == 5
+    with pytest.raises(ValueError, match=r"saved from a sharded loader \(shard=True\) but this is an unsharded"):
+        resumed.load_state_dict(_sharded(10, 1, 0).state_dict())
+    with pytest.raises(ValueError, match="7 batches of epoch 1 were consumed, but the loader has only 5 batches"):
+        resumed.load_state_dict({**state, "batches_consumed": 7})

@@ -12,7 +12,16 @@ import torch.distributed as dist
 
 from .env import init_distributed, is_distributed
 
-__all__ = ["rendezvous", "mark_step", "barrier", "broadcast", "all_reduce", "reduce", "broadcast_tensors"]
+__all__ = [
+    "rendezvous",
+    "mark_step",
+    "barrier",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "broadcast_tensors",
+    "raise_on_any_rank",
+]
 
 T = TypeVar("T")
 
@@ -167,3 +176,28 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, bucket_b
             flush(key)
     for key in list(buckets):
         flush(key)
+
+
+def raise_on_any_rank(error: str | None, *, what: str) -> None:
+    """Meet every rank; if any reports an error, raise it on all of them.
+
+    Use after a step that may fail on some ranks only (a full disk, a bad path): the failing rank
+    raises, and so do the others, instead of waiting for it in the next collective until the timeout.
+
+    Args:
+        error: this rank's error text, or None when it succeeded.
+        what: the operation, for the message.
+
+    Raises:
+        RuntimeError: naming the first failing rank, its error and how many ranks failed.
+    """
+    if not _active():
+        if error:
+            raise RuntimeError(f"{what} failed: {error}")
+        return
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, first = failed[0]
+        raise RuntimeError(f"{what} failed on {len(failed)} rank(s); rank {rank}: {first}")

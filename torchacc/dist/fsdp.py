@@ -1,5 +1,8 @@
 """Sharding a model with FSDP2 (``fully_shard``) or replicating it (DDP), from plain arguments.
 
+Also re-exports TorchAcc's offline consolidation helpers under their original home,
+``torchacc.dist.fsdp.consolidate_sharded_model_checkpoints``.
+
 This module knows nothing of ``Config``: ``accelerate()`` turns the config into the arguments here.
 """
 
@@ -10,8 +13,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .._logging import warn_once
+from ..consolidate import consolidate_sharded_model_checkpoints, consolidate_sharded_optimizer_checkpoints
 
-__all__ = ["resolve_module_classes", "wrap_fsdp", "wrap_ddp"]
+__all__ = [
+    "resolve_module_classes",
+    "wrap_fsdp",
+    "wrap_ddp",
+    "consolidate_sharded_model_checkpoints",
+    "consolidate_sharded_optimizer_checkpoints",
+]
 
 
 def resolve_module_classes(model: nn.Module, names: Iterable[str], *, what: str) -> set[type[nn.Module]]:

@@ -1,0 +1,90 @@
+"""``torchacc consolidate``: offline consolidation, resharding and export from the command line.
+
+Examples::
+
+    torchacc consolidate --ckpt-dir ckpt                                  # model shards -> ckpt/consolidated.pth
+    torchacc consolidate --ckpt-dir ckpt --type all                       # model and optimizer
+    torchacc consolidate --ckpt-dir ckpt --format safetensors --out model.safetensors
+    torchacc consolidate --ckpt-dir ckpt --format hf --hf-config cfg.json --out gpt2-hf
+    torchacc consolidate --ckpt-dir ckpt --reshard 4 --out ckpt-4
+
+Outputs are streamed (memory for about one tensor). Errors are one line on stderr and exit code 1.
+"""
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, reshard_checkpoint
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 1, like every other torchacc CLI error
+        sys.stderr.write(f"torchacc: error: {message}\n")
+        sys.exit(1)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="torchacc", description="torchacc command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("consolidate", help="merge per-rank shard files offline (no GPU, no process group)")
+    p.add_argument("--ckpt-dir", required=True, help="the directory holding rank-*-of-*-{model,optim}.pth")
+    p.add_argument("--pattern", help=f"shard file glob for --type model or optimizer (default {MODEL_PATTERN!r})")
+    p.add_argument("--type", choices=["model", "optimizer", "all"], default="model")
+    p.add_argument("--reshard", type=int, metavar="N", help="write N rank files instead of one consolidated file")
+    p.add_argument("--format", choices=["torch", "safetensors", "hf"], default="torch")
+    p.add_argument("--out", help="output file or directory (default: inside --ckpt-dir)")
+    p.add_argument("--hf-config", help="config.json or model directory for --format hf (default: --ckpt-dir)")
+    p.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _consolidate(args: argparse.Namespace) -> list[str]:
+    ckpt, verify, progress = args.ckpt_dir, not args.no_verify, False if args.quiet else None
+    if not os.path.isdir(ckpt):
+        raise ValueError(f"--ckpt-dir {ckpt!r} is not a directory")
+    if args.reshard is not None:
+        if args.format != "torch":
+            raise ValueError("--reshard writes torch rank files; drop --format or use --format torch")
+        return reshard_checkpoint(
+            ckpt, args.out or os.path.join(ckpt, f"resharded-{args.reshard}"), num_shards=args.reshard, verify=verify
+        )
+    if args.type == "all" and (args.pattern or args.out):
+        raise ValueError("--type all uses the default patterns and output names; drop --pattern and --out")
+    if args.type != "model" and args.format != "torch":
+        raise ValueError(f"--format {args.format} holds model weights only; use --format torch for optimizer state")
+    sections = ["model", "optimizer"] if args.type == "all" else [args.type]
+    written = []
+    for section in sections:
+        pattern = os.path.join(ckpt, args.pattern or (MODEL_PATTERN if section == "model" else OPTIM_PATTERN))
+        if args.format == "hf":
+            from .hf import export_hf
+
+            out = args.out or os.path.join(ckpt, "hf")
+            export_hf(ckpt, out, args.hf_config or ckpt, pattern=os.path.basename(pattern), verify=verify)
+        else:
+            default = {"model": "consolidated.pth", "optimizer": "consolidated_optim.pth"}[section]
+            if args.format == "safetensors":
+                default = "model.safetensors"
+            out = args.out or os.path.join(ckpt, default)
+            consolidate(
+                pattern, section=section, out=out, fmt=args.format, return_state=False, verify=verify, progress=progress
+            )
+        written.append(out)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0, or 1 after a one-line error on stderr)."""
+    args = _parser().parse_args(argv)
+    try:
+        for path in _consolidate(args):
+            print(path)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        sys.stderr.write(f"torchacc: error: {' '.join(str(exc).split())}\n")
+        return 1
+    return 0

@@ -1,0 +1,266 @@
+"""Offline consolidation and resharding of per-rank checkpoints, streaming and strict.
+
+Runs without a process group or GPU. Every input file is checked before anything is written
+(see ``ShardSet``), tensors are rebuilt one at a time from memory-mapped shards, and outputs
+appear under their final names only when complete.
+
+Memory: returning the full state needs the checkpoint's size (the result) plus one tensor; writing
+straight to a file (``return_state=False``, what the CLI does) needs about one tensor.
+"""
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ._safetensors_format import StreamingSafetensorsWriter
+from ._torch_format import StreamingTorchWriter, TensorSlot
+from .serialization import atomic_write, publish, temp_path
+from .sharded_state import FORMAT, local_slice
+from .shards import ShardSet, TensorItem
+
+__all__ = [
+    "consolidate",
+    "consolidate_sharded_model_checkpoints",
+    "consolidate_sharded_optimizer_checkpoints",
+    "reshard_checkpoint",
+]
+
+MODEL_PATTERN = "rank-*-of-*-model.pth"
+OPTIM_PATTERN = "rank-*-of-*-optim.pth"
+
+
+def _progress(items: list[TensorItem], desc: str, progress: bool | None) -> Iterator[TensorItem]:
+    # progress=None lets tqdm decide (shown on a terminal, silent in logs and tests).
+    yield from tqdm(items, desc=desc, unit="tensor", disable=None if progress is None else not progress)
+
+
+def consolidate(
+    pattern: str,
+    *,
+    section: str = "model",
+    out: str | os.PathLike[str] | None = None,
+    fmt: str = "torch",
+    return_state: bool = True,
+    verify: bool = True,
+    progress: bool | None = None,
+) -> dict[str, Any] | None:
+    """Rebuild full tensors from the per-rank files matching ``pattern``.
+
+    Args:
+        pattern: a glob such as ``"ckpt/rank-*-of-*-model.pth"``.
+        section: ``"model"`` or ``"optimizer"``.
+        out: write the result here (atomically); None writes nothing.
+        fmt: ``"torch"`` (``{section: state}``, readable by ``torch.load``) or ``"safetensors"`` (model only,
+            a flat ``name -> tensor`` file).
+        return_state: return the full state; False streams straight to ``out`` with memory for about one
+            tensor and returns None.
+        verify: check every shard's CRC-32 first.
+        progress: show a tqdm bar (None: only on a terminal).
+
+    Returns:
+        ``{section: full_state}`` keyed by the original names, or None when ``return_state`` is False.
+
+    Raises:
+        ValueError: any problem with the shard set (see ``ShardSet``) or the arguments; nothing is written.
+    """
+    if fmt not in ("torch", "safetensors"):
+        raise ValueError(f"fmt={fmt!r} is not supported; use 'torch' or 'safetensors'")
+    if not return_state and out is None:
+        raise ValueError("return_state=False needs out=: the result must go somewhere")
+    if fmt == "safetensors" and section != "model":
+        raise ValueError("safetensors holds a flat name -> tensor map; consolidate optimizer state with fmt='torch'")
+    shards = ShardSet(pattern, section=section, verify=verify)
+    aliases = shards.aliases()
+    if not return_state:
+        writer = _write_safetensors if fmt == "safetensors" else _write_torch
+        atomic_write(out, lambda tmp: writer(shards, tmp, aliases, progress))
+        return None
+    state = shards.skeleton()
+    for item in _progress(shards.items, "consolidate", progress):
+        if item.path[0] in aliases:
+            continue
+        _set(state, item.path, shards.full_tensor(item))
+    for key, first in aliases.items():
+        state[key] = state[first]
+    if out is not None:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in _unalias(state).items()}, tmp))
+        else:
+            atomic_write(out, lambda tmp: torch.save({section: state}, tmp))
+    return {section: state}
+
+
+def _set(obj: Any, path: tuple[str, ...], value: Any) -> None:
+    for part in path[:-1]:
+        obj = obj[part]
+    obj[path[-1]] = value
+
+
+def _unalias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: give every tied key its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        out[key] = value.clone() if id(value) in seen else value
+        seen.add(id(value))
+    return out
+
+
+def _slots(
+    shards: ShardSet, aliases: dict[str, str], meta: dict[str, Any] | None = None
+) -> tuple[Any, dict[str, TensorSlot]]:
+    """The output skeleton with a ``TensorSlot`` per tensor; tied keys share their first key's slot.
+
+    With ``meta`` (a resharded rank's metadata) sharded tensors get that rank's local shape.
+    """
+    skeleton = shards.skeleton()
+    slots: dict[str, TensorSlot] = {}
+    for index, item in enumerate(shards.items):
+        shape = item.shape
+        if meta is not None and item.meta_key is not None:
+            shape = tuple(meta["tensors"][item.meta_key]["local_shape"])
+        slots[item.name] = TensorSlot(str(index), shape, item.dtype)
+    for item in shards.items:
+        slot = slots[aliases.get(item.path[0], item.name)] if shards.section == "model" else slots[item.name]
+        _set(skeleton, item.path, slot)
+    return skeleton, slots
+
+
+def _write_torch(shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None) -> None:
+    skeleton, slots = _slots(shards, aliases)
+    with StreamingTorchWriter(path, {shards.section: skeleton}) as writer:
+        for item in _progress(shards.items, "consolidate", progress):
+            if shards.section != "model" or item.path[0] not in aliases:
+                writer.write(slots[item.name], shards.full_tensor(item))
+
+
+def _write_safetensors(shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None) -> None:
+    writer = StreamingSafetensorsWriter(path, {item.path[0]: (item.shape, item.dtype) for item in shards.items})
+    for item in _progress(shards.items, "consolidate", progress):
+        writer.write(item.path[0], shards.full_tensor(item))
+    writer.close()
+
+
+def consolidate_sharded_model_checkpoints(
+    ckpt_prefix: str, ckpt_suffix: str = MODEL_PATTERN, save_path: str = "", save_model: bool = True
+) -> dict[str, Any]:
+    """TorchAcc's consolidation: merge ``ckpt_prefix + ckpt_suffix`` shard files into one state dict.
+
+    Args:
+        ckpt_prefix: the directory (with a trailing ``/``) or path prefix of the shard files.
+        ckpt_suffix: the glob after the prefix.
+        save_path: where to write ``{"model": full_state_dict}``; default ``ckpt_prefix + "consolidated.pth"``.
+        save_model: write the file (False only returns it).
+
+    Returns:
+        ``{"model": full_state_dict}`` keyed by the original parameter names; it loads into the plain,
+        un-accelerated model with ``strict=True``, and into an accelerated one with ``load_state_dict``.
+
+    Raises:
+        ValueError: a missing, duplicate or foreign rank, mixed world sizes, a shape or dtype mismatch, a
+            truncated or corrupt file; the message names the file and nothing is written.
+
+    Example:
+        >>> torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(ckpt_prefix="ckpt/")
+    """
+    out = (save_path or f"{ckpt_prefix}consolidated.pth") if save_model else None
+    return consolidate(ckpt_prefix + ckpt_suffix, section="model", out=out)
+
+
+def consolidate_sharded_optimizer_checkpoints(
+    ckpt_prefix: str, ckpt_suffix: str = OPTIM_PATTERN, save_path: str = "", save_optimizer: bool = True
+) -> dict[str, Any]:
+    """Merge per-rank optimizer shards (``torchacc.optim_state_dict`` saved with shard metadata).
+
+    Returns ``{"optimizer": full_state}`` keyed by parameter names, which
+    ``torchacc.load_optim_state_dict`` loads at any world size. Otherwise as
+    :func:`consolidate_sharded_model_checkpoints` (default output ``consolidated_optim.pth``).
+    """
+    out = (save_path or f"{ckpt_prefix}consolidated_optim.pth") if save_optimizer else None
+    return consolidate(ckpt_prefix + ckpt_suffix, section="optimizer", out=out)
+
+
+def _resharded_metadata(shards: ShardSet, rank: int, num_shards: int) -> dict[str, Any]:
+    mesh = {"shape": [num_shards], "dim_names": ["fsdp"], "coordinate": [rank]}
+    tensors = {}
+    for key, entry in shards.metadata.items():
+        sharded = any(p.startswith("shard:") for p in entry["placements"]) and len(entry["shape"]) > 0
+        placements = ["shard:0"] if sharded else ["replicate"]
+        offset, local = local_slice(tuple(entry["shape"]), placements, mesh["shape"], mesh["coordinate"])
+        tensors[key] = {**entry, "placements": placements, "offset": offset, "local_shape": local}
+    return {"format": FORMAT, "world_size": num_shards, "rank": rank, "mesh": mesh, "tensors": tensors}
+
+
+def reshard_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    num_shards: int,
+    verify: bool = True,
+    progress: bool | None = None,
+) -> list[str]:
+    """Turn the N per-rank files in ``src`` into ``num_shards`` files in ``dst`` for a run of that world size.
+
+    Both the model files (``rank-*-of-*-model.pth``) and, if present, the optimizer files
+    (``rank-*-of-*-optim.pth``) are resharded, FSDP-style (dim 0, ``torch.chunk`` sizes). A run with
+    ``dist.fsdp.size == num_shards`` loads its file with
+    ``model.load_state_dict(ckpt["model"], shard_metadata=ckpt["shard_metadata"])``.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        ValueError: ``num_shards < 1``, no model shards in ``src``, or any shard-set problem; nothing is written.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    src, dst = os.fspath(src), os.fspath(dst)
+    sets = [ShardSet(os.path.join(src, MODEL_PATTERN), section="model", verify=verify)]
+    if any(name.endswith("-optim.pth") for name in os.listdir(src)):
+        sets.append(ShardSet(os.path.join(src, OPTIM_PATTERN), section="optimizer", verify=verify))
+    os.makedirs(dst, exist_ok=True)
+    written = []
+    for shards in sets:
+        kind = "model" if shards.section == "model" else "optim"
+        finals = [os.path.join(dst, f"rank-{r}-of-{num_shards}-{kind}.pth") for r in range(num_shards)]
+        _reshard_section(shards, finals, num_shards, progress)
+        written += finals
+    return written
+
+
+def _reshard_section(shards: ShardSet, finals: list[str], num_shards: int, progress: bool | None) -> None:
+    aliases = shards.aliases()
+    metas = [_resharded_metadata(shards, r, num_shards) for r in range(num_shards)]
+    tmps = [temp_path(path) for path in finals]
+    writers = []
+    try:
+        for meta, tmp in zip(metas, tmps, strict=True):
+            skeleton, slots = _slots(shards, aliases, meta)
+            writers.append((StreamingTorchWriter(tmp, {shards.section: skeleton, "shard_metadata": meta}), slots))
+        for item in _progress(shards.items, "reshard", progress):
+            if shards.section == "model" and item.path[0] in aliases:
+                continue
+            full = shards.full_tensor(item)
+            for meta, (writer, slots) in zip(metas, writers, strict=True):
+                writer.write(slots[item.name], _piece(full, item, meta))
+        for writer, _ in writers:
+            writer.close()
+        for tmp, final in zip(tmps, finals, strict=True):
+            publish(tmp, final)
+    finally:
+        for tmp in tmps:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+
+
+def _piece(full: torch.Tensor, item: TensorItem, meta: dict[str, Any]) -> torch.Tensor:
+    if item.meta_key is None:
+        return full
+    entry = meta["tensors"][item.meta_key]
+    return full[tuple(slice(o, o + n) for o, n in zip(entry["offset"], entry["local_shape"], strict=True))]

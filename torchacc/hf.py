@@ -1,0 +1,173 @@
+"""Export consolidated weights as a Hugging Face ``save_pretrained``-style directory, tensor by tensor.
+
+``AutoModelForCausalLM.from_pretrained(output_dir)`` loads the result. The weights are read from
+per-rank shards, a consolidated file, a native (DCP) checkpoint or an in-memory state dict, and
+written as safetensors files (several, with an index, past ``max_shard_size``) one tensor at a
+time, so exporting from files needs memory for about one tensor, not the model.
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ._safetensors_format import StreamingSafetensorsWriter
+from .consolidate import MODEL_PATTERN
+from .serialization import temp_path
+from .shards import ShardSet
+
+__all__ = ["export_hf"]
+
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _dict_source(state: dict[str, torch.Tensor]) -> tuple[Layout, Callable[[str], torch.Tensor]]:
+    seen: set[tuple[int, int]] = set()
+    layout: Layout = {}
+    for key, value in state.items():
+        ident = (value.untyped_storage().data_ptr(), value.storage_offset())
+        if value.numel() and ident in seen:
+            continue  # a tied weight: from_pretrained ties it again
+        seen.add(ident)
+        layout[key] = (tuple(value.shape), value.dtype)
+    return layout, state.__getitem__
+
+
+def _shard_source(pattern: str, verify: bool) -> tuple[Layout, Callable[[str], torch.Tensor]]:
+    shards = ShardSet(pattern, section="model", verify=verify)
+    aliases = shards.aliases()
+    items = {item.path[0]: item for item in shards.items if item.path[0] not in aliases}
+    return {k: (i.shape, i.dtype) for k, i in items.items()}, lambda key: shards.full_tensor(items[key])
+
+
+def _dcp_source(path: str) -> tuple[Layout, Callable[[str], torch.Tensor]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    layout: Layout = {
+        key.removeprefix("model/"): (tuple(meta.size), meta.properties.dtype)
+        for key, meta in saved.items()
+        if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)
+    }
+
+    def read(key: str) -> torch.Tensor:
+        shape, dtype = layout[key]
+        box = {f"model/{key}": torch.empty(shape, dtype=dtype)}
+        dcp.load(box, checkpoint_id=path, no_dist=True)
+        return box[f"model/{key}"]
+
+    return layout, read
+
+
+def _source(src: Any, pattern: str, verify: bool) -> tuple[Layout, Callable[[str], torch.Tensor]]:
+    if isinstance(src, dict):
+        return _dict_source(src.get("model", src))
+    src = os.fspath(src)
+    if os.path.isfile(os.path.join(src, ".metadata")):
+        return _dcp_source(src)
+    if os.path.isdir(src):
+        return _shard_source(os.path.join(src, pattern), verify)
+    if os.path.isfile(src):
+        data = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
+        return _dict_source(data.get("model", data))
+    raise ValueError(
+        f"src={src!r} is neither a state dict, a consolidated file, a directory of rank shards nor a DCP checkpoint"
+    )
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    text = size.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    raise ValueError(f"max_shard_size={size!r} is not a size; use bytes or a string such as '5GB' or '500MB'")
+
+
+def _groups(layout: Layout, limit: int) -> Iterator[list[str]]:
+    group: list[str] = []
+    size = 0
+    for key, (shape, dtype) in layout.items():
+        num_bytes = torch.Size(shape).numel() * dtype.itemsize
+        if group and size + num_bytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(key)
+        size += num_bytes
+    yield group
+
+
+def export_hf(
+    src: Any,
+    output_dir: str | os.PathLike[str],
+    config_or_model: Any,
+    *,
+    max_shard_size: int | str = "5GB",
+    pattern: str = MODEL_PATTERN,
+    verify: bool = True,
+) -> str:
+    """Write ``src``'s weights and the model config as a directory ``from_pretrained`` loads.
+
+    Args:
+        src: a directory of rank shard files (``pattern``), a consolidated ``.pth`` file, a checkpoint
+            directory written by ``save_checkpoint``, or a state dict.
+        output_dir: a new (or empty) directory; it appears only when complete.
+        config_or_model: a ``transformers`` config, a model (its ``.config`` is used) or a path to a
+            config file or directory.
+        max_shard_size: bytes, or a string such as ``"5GB"``; larger exports are split with an index file.
+        pattern: the shard file glob inside a ``src`` directory.
+        verify: check shard checksums first.
+
+    Returns:
+        ``output_dir``.
+
+    Raises:
+        ValueError: ``output_dir`` is not empty, ``src`` is not recognised, or any shard-set problem.
+
+    Example:
+        >>> torchacc.export_hf("ckpt/", "gpt2-hf", model)  # then AutoModelForCausalLM.from_pretrained("gpt2-hf")
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    output_dir = os.fspath(output_dir)
+    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
+        raise ValueError(f"output_dir {output_dir!r} exists and is not empty; choose a new directory or remove it")
+    config = getattr(config_or_model, "config", config_or_model)
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(os.fspath(config))
+    layout, read = _source(src, pattern, verify)
+    groups = list(_groups(layout, _parse_size(max_shard_size)))
+    staging = temp_path(output_dir)
+    os.makedirs(staging)
+    try:
+        config.save_pretrained(staging)
+        names = (
+            ["model.safetensors"]
+            if len(groups) == 1
+            else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        )
+        for name, keys in zip(names, groups, strict=True):
+            writer = StreamingSafetensorsWriter(os.path.join(staging, name), {k: layout[k] for k in keys})
+            for key in keys:
+                writer.write(key, read(key))
+            writer.close()
+        if len(groups) > 1:
+            total = sum(torch.Size(s).numel() * d.itemsize for s, d in layout.values())
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {k: n for n, ks in zip(names, groups, strict=True) for k in ks},
+            }
+            with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        if os.path.isdir(output_dir):
+            os.rmdir(output_dir)
+        os.replace(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir

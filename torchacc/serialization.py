@@ -1,0 +1,157 @@
+"""``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable.
+
+[Note: atomic files] A file is written under a temporary name beside its target, flushed to disk,
+then renamed over the target, so a crash (or SIGKILL) mid-save never leaves a half-written file
+under the final name; temporaries left by a killed save are removed by the next save to that path.
+
+[Note: checksums] ``torch.save`` writes a zip archive that records a CRC-32 of every member, so a
+truncated or bit-flipped file is detected by ``verify_file`` without any sidecar file.
+"""
+
+import contextlib
+import glob
+import os
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .dist import env
+from .dist.collectives import raise_on_any_rank
+
+__all__ = ["save", "load", "verify_file", "atomic_write", "publish", "temp_path"]
+
+
+def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, global_master: bool = False) -> None:
+    """Save ``obj`` with ``torch.save``, TorchAcc style. Every rank must call it.
+
+    Tensors are moved to the CPU. With ``master_only=False`` every rank writes its own file (give
+    each rank its own ``path``) and DTensors are saved as this rank's local shard. With
+    ``master_only=True`` DTensors are first gathered to full tensors (a collective, hence "every
+    rank must call"), so the single file is complete. The ranks meet afterwards, and if any rank
+    failed to write, every rank raises.
+
+    Args:
+        obj: a tensor or a nested dict/list/tuple holding tensors and plain values.
+        path: the file to write, atomically (see [Note: atomic files]).
+        master_only: only the master writes (see ``global_master``); False: every rank writes.
+        global_master: with ``master_only``, only global rank 0 writes (True) or the first rank of
+            every node (False, TorchAcc's default, for node-local disks).
+
+    Raises:
+        RuntimeError: some rank could not write; the message names the rank and the error.
+
+    Example:
+        >>> torchacc.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()},
+        ...               f"ckpt/rank-{rank}-of-{world}-model.pth", master_only=False)
+    """
+    writes = not master_only or env.is_master_ordinal(local=not global_master)
+    data = _to_cpu(obj, gather=master_only, keep=writes)
+    error = None
+    if writes:
+        try:
+            atomic_write(path, lambda tmp: torch.save(data, tmp))
+        except Exception as exc:  # reported to every rank below instead of hanging them
+            error = f"{type(exc).__name__}: {exc}"
+    raise_on_any_rank(error, what=f"torchacc.save({os.fspath(path)!r})")
+
+
+def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = False) -> Any:
+    """Load a file written by ``torchacc.save`` (or ``torch.save``) onto the CPU.
+
+    Args:
+        path: the file.
+        mmap: map tensors from the file instead of reading them (for files larger than RAM).
+        verify: check every member's CRC-32 first (reads the whole file once more).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is truncated, corrupt, or not a torch checkpoint; the message names it.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint file at {path!r}")
+    if verify:
+        verify_file(path)
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {exc}") from None
+
+
+def verify_file(path: str | os.PathLike[str]) -> None:
+    """Check that ``path`` is a complete torch checkpoint whose members match their recorded CRC-32.
+
+    Raises:
+        ValueError: naming the file and what is wrong (truncated, not a checkpoint, a corrupt member).
+    """
+    path = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: truncated or not a torch checkpoint ({exc})") from None
+    if bad is not None:
+        raise ValueError(f"{path}: member {bad!r} fails its CRC-32 check; the file is corrupt, restore it or re-save")
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)``, then move the finished file to ``path`` (see [Note: atomic files]).
+
+    Args:
+        path: the final name.
+        write: writes the complete file to the temporary path it is given.
+
+    Raises:
+        Whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
+    """
+    path = os.fspath(path)
+    for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):
+        _remove_quietly(stale)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        publish(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def temp_path(path: str | os.PathLike[str]) -> str:
+    """The temporary name ``atomic_write`` uses for ``path`` in this process."""
+    return f"{os.fspath(path)}.tmp-{os.getpid()}"
+
+
+def publish(tmp: str, path: str | os.PathLike[str]) -> None:
+    """Flush the finished file ``tmp`` to disk and rename it to ``path`` (and flush the directory entry)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def _to_cpu(obj: Any, *, gather: bool, keep: bool) -> Any:
+    """Tensors to CPU; DTensors gathered (``gather``) or as local shards. With ``keep=False`` only the
+    collectives run and nothing is kept (ranks that do not write still take part in the gathers)."""
+    if isinstance(obj, DTensor):
+        tensor = obj.full_tensor() if gather else obj.to_local()
+        return tensor.detach().cpu() if keep else None
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if keep else None
+    if isinstance(obj, dict):
+        items = {k: _to_cpu(v, gather=gather, keep=keep) for k, v in obj.items()}
+        return type(obj)(items) if keep and type(obj) is not dict else items
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v, gather=gather, keep=keep) for v in obj)
+    return obj

@@ -1,0 +1,229 @@
+"""Read a set of per-rank checkpoint files, check it strictly, and rebuild full tensors one at a time.
+
+A shard file is what ``torchacc.save(..., master_only=False)`` writes for one rank:
+``{section: <state>, "shard_metadata": model.get_shard_metadata()}`` where ``section`` is
+``"model"`` (a state dict) or ``"optimizer"`` (``torchacc.optim_state_dict(model, optimizer)``:
+``{"state": {param name: {name: tensor}}, "param_groups": [...]}``). Files are memory-mapped, so
+opening a set costs no memory; a full tensor is built only when asked for.
+"""
+
+import glob
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .serialization import verify_file
+from .sharded_state import FORMAT, parse_dtype
+
+__all__ = ["ShardSet", "TensorItem"]
+
+
+@dataclass(frozen=True)
+class TensorItem:
+    """One tensor of the checkpoint: where it sits in the state, and how its pieces combine."""
+
+    path: tuple[str, ...]  # keys from the section's root, e.g. ("state", "lm_head.weight", "exp_avg")
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    meta_key: str | None  # the shard_metadata entry it is sharded like; None when every rank has it whole
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.path) if self.path[0] != "state" else f"{self.path[1]}:{'.'.join(self.path[2:])}"
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _get(obj: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        obj = obj[part]
+    return obj
+
+
+class ShardSet:
+    """The files matching ``pattern``, one per rank, validated as a whole before anything is rebuilt.
+
+    Args:
+        pattern: a glob such as ``"ckpt/rank-*-of-*-model.pth"``.
+        section: ``"model"`` or ``"optimizer"``.
+        verify: check every file's CRC-32 (reads each file once; catches bit flips as well as truncation).
+
+    Raises:
+        ValueError: no file matches; a file is truncated, corrupt or not a shard file; ranks are
+            missing or duplicated; world sizes are mixed; a tensor's shape or dtype disagrees with the
+            metadata or with rank 0. Every message names the file(s) concerned.
+    """
+
+    def __init__(self, pattern: str, *, section: str = "model", verify: bool = True) -> None:
+        paths = sorted(glob.glob(pattern))
+        if not paths:
+            raise ValueError(f"no checkpoint files match {pattern!r}; check the directory and the pattern")
+        self.section = section
+        by_rank: dict[int, tuple[str, Any]] = {}
+        world_sizes: dict[int, str] = {}
+        for path in paths:
+            data = self._open(path, verify)
+            meta = data["shard_metadata"]
+            world_sizes.setdefault(meta["world_size"], path)
+            if len(world_sizes) > 1:
+                (w0, p0), (w1, p1) = list(world_sizes.items())[:2]
+                raise ValueError(
+                    f"mixed world sizes: {p0} is from a {w0}-rank run but {p1} is from a {w1}-rank run; "
+                    "keep one run's files per directory, or narrow the pattern"
+                )
+            if meta["rank"] in by_rank:
+                raise ValueError(f"duplicate rank {meta['rank']}: {by_rank[meta['rank']][0]} and {path}")
+            by_rank[meta["rank"]] = (path, data)
+        self.world_size = next(iter(world_sizes))
+        missing = sorted(set(range(self.world_size)) - set(by_rank))
+        if missing:
+            raise ValueError(
+                f"missing rank(s) {missing} of a {self.world_size}-rank checkpoint: {len(paths)} file(s) match "
+                f"{pattern!r}; copy the missing files next to the others"
+            )
+        self.paths = [by_rank[r][0] for r in range(self.world_size)]
+        self._data = [by_rank[r][1] for r in range(self.world_size)]
+        self.items = self._plan()
+        for rank in range(self.world_size):
+            self._check_rank(rank)
+        for item in self.items:
+            if item.meta_key is not None:
+                self._check_tiling(item)
+
+    def _open(self, path: str, verify: bool) -> Any:
+        if verify:
+            verify_file(path)
+        try:
+            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {exc}") from None
+        if not isinstance(data, dict) or self.section not in data or "shard_metadata" not in data:
+            found = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(
+                f"{path}: not a torchacc {self.section} shard: expected keys {self.section!r} and 'shard_metadata', "
+                f"found {found}; save shards as torchacc.save({{{self.section!r}: ..., 'shard_metadata': "
+                "model.get_shard_metadata()}, path, master_only=False)"
+            )
+        meta = data["shard_metadata"]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: 'shard_metadata' is not from model.get_shard_metadata() (format {FORMAT})")
+        return data
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._data[0]["shard_metadata"]["tensors"]
+
+    def _plan(self) -> list[TensorItem]:
+        """Every tensor of rank 0's section, with how to rebuild it."""
+        root = self._data[0][self.section]
+        items: list[TensorItem] = []
+        if self.section == "model":
+            for key in root:
+                entry = self.metadata.get(key)
+                if entry is None:
+                    raise ValueError(f"{self.paths[0]}: {key} is in the state dict but not in shard_metadata")
+                sharded = any(p.startswith("shard:") for p in entry["placements"])
+                items.append(
+                    TensorItem((key,), tuple(entry["shape"]), parse_dtype(entry["dtype"]), key if sharded else None)
+                )
+            return items
+        if not isinstance(root, dict) or "state" not in root or "param_groups" not in root:
+            raise ValueError(
+                f"{self.paths[0]}: the optimizer section must come from torchacc.optim_state_dict(model, optimizer) "
+                "(state keyed by parameter name)"
+            )
+        for name, state in root["state"].items():
+            entry = self.metadata.get(name)
+            if entry is None:
+                raise ValueError(f"{self.paths[0]}: optimizer state for {name!r}, which is not a model parameter")
+            for state_key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                sharded = (
+                    any(p.startswith("shard:") for p in entry["placements"])
+                    and list(value.shape) == entry["local_shape"]
+                )
+                shape = tuple(entry["shape"]) if sharded else tuple(value.shape)
+                items.append(TensorItem(("state", name, state_key), shape, value.dtype, name if sharded else None))
+        return items
+
+    def _check_rank(self, rank: int) -> None:
+        path, data = self.paths[rank], self._data[rank]
+        tensors = data["shard_metadata"]["tensors"]
+        for item in self.items:
+            try:
+                value = _get(data[self.section], item.path)
+            except (KeyError, TypeError):
+                raise ValueError(f"{path}: {item.name} is missing (rank 0 has it)") from None
+            expected = tuple(tensors[item.meta_key]["local_shape"]) if item.meta_key else item.shape
+            if item.meta_key and tuple(tensors[item.meta_key]["shape"]) != item.shape:
+                raise ValueError(
+                    f"{path}: {item.name} has full shape {tensors[item.meta_key]['shape']} but rank 0 says "
+                    f"{list(item.shape)}; the files come from different models"
+                )
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != item.dtype:
+                got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{path}: {item.name} is {got}, expected shape {expected} and dtype {item.dtype}")
+
+    def _pieces(self, item: TensorItem) -> dict[tuple[int, ...], tuple[int, list[int]]]:
+        """Distinct pieces of a sharded tensor: offset -> (rank holding it, local shape)."""
+        pieces: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+        for rank, data in enumerate(self._data):
+            entry = data["shard_metadata"]["tensors"][item.meta_key]
+            pieces.setdefault(tuple(entry["offset"]), (rank, entry["local_shape"]))
+        return pieces
+
+    def _check_tiling(self, item: TensorItem) -> None:
+        pieces = self._pieces(item)
+        covered = sum(math.prod(shape) for _, shape in pieces.values())
+        inside = all(
+            o + n <= s
+            for offset, (_, shape) in pieces.items()
+            for o, n, s in zip(offset, shape, item.shape, strict=True)
+        )
+        if covered != math.prod(item.shape) or not inside:
+            raise ValueError(
+                f"{item.name}: the shards in {os.path.dirname(self.paths[0]) or '.'} do not tile its full shape "
+                f"{list(item.shape)} (they cover {covered} of {math.prod(item.shape)} elements); corrupt metadata"
+            )
+
+    def full_tensor(self, item: TensorItem) -> torch.Tensor:
+        """Rebuild ``item`` on the CPU from the memory-mapped pieces."""
+        if item.meta_key is None:
+            return _get(self._data[0][self.section], item.path).clone()
+        full = torch.empty(item.shape, dtype=item.dtype)
+        for offset, (rank, shape) in self._pieces(item).items():
+            piece = _get(self._data[rank][self.section], item.path)
+            full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].copy_(piece)
+        return full
+
+    def skeleton(self) -> Any:
+        """Rank 0's section with plain values kept and tensors left to be filled (``None`` placeholders)."""
+        root = self._data[0][self.section]
+        if self.section == "model":
+            return {item.path[0]: None for item in self.items}
+        state = {
+            name: {k: (None if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+            for name, s in root["state"].items()
+        }
+        return {"state": state, "param_groups": root["param_groups"]}
+
+    def aliases(self) -> dict[str, str]:
+        """Model keys that share storage with an earlier key in rank 0's file (tied weights): key -> first key."""
+        if self.section != "model":
+            return {}
+        seen: dict[tuple, str] = {}
+        aliases = {}
+        for item in self.items:
+            value = self._data[0]["model"][item.path[0]]
+            ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
+            if value.numel() and ident in seen:
+                aliases[item.path[0]] = seen[ident]
+            else:
+                seen.setdefault(ident, item.path[0])
+        return aliases
