@@ -20,7 +20,7 @@ from ._safetensors_format import StreamingSafetensorsWriter
 from ._torch_format import StreamingTorchWriter, TensorSlot
 from .serialization import atomic_write, publish, temp_path
 from .sharded_state import FORMAT, local_slice
-from .shards import ShardSet, TensorItem
+from .shards import ShardSet, TensorItem, canonical_name, get_path
 
 __all__ = [
     "consolidate",
@@ -81,11 +81,10 @@ def consolidate(
         return None
     state = shards.skeleton()
     for item in _progress(shards.items, "consolidate", progress):
-        if item.path[0] in aliases:
-            continue
-        _set(state, item.path, shards.full_tensor(item))
-    for key, first in aliases.items():
-        state[key] = state[first]
+        if item not in aliases:
+            _set(state, item.out_path, shards.full_tensor(item))
+    for item, first in aliases.items():
+        _set(state, item.out_path, get_path(state, first.out_path))
     if out is not None:
         if fmt == "safetensors":
             from safetensors.torch import save_file
@@ -97,9 +96,7 @@ def consolidate(
 
 
 def _set(obj: Any, path: tuple[str, ...], value: Any) -> None:
-    for part in path[:-1]:
-        obj = obj[part]
-    obj[path[-1]] = value
+    get_path(obj, path[:-1])[path[-1]] = value
 
 
 def _unalias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,22 +110,21 @@ def _unalias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _slots(
-    shards: ShardSet, aliases: dict[str, str], meta: dict[str, Any] | None = None
-) -> tuple[Any, dict[str, TensorSlot]]:
-    """The output skeleton with a ``TensorSlot`` per tensor; tied keys share their first key's slot.
+    shards: ShardSet, aliases: dict[TensorItem, TensorItem], meta: dict[str, Any] | None = None
+) -> tuple[Any, dict[TensorItem, TensorSlot]]:
+    """The output skeleton with a ``TensorSlot`` per tensor; tied tensors share their first one's slot.
 
     With ``meta`` (a resharded rank's metadata) sharded tensors get that rank's local shape.
     """
     skeleton = shards.skeleton()
-    slots: dict[str, TensorSlot] = {}
+    slots: dict[TensorItem, TensorSlot] = {}
     for index, item in enumerate(shards.items):
         shape = item.shape
         if meta is not None and item.meta_key is not None:
-            shape = tuple(meta["tensors"][item.meta_key]["local_shape"])
-        slots[item.name] = TensorSlot(str(index), shape, item.dtype)
+            shape = tuple(meta["tensors"][canonical_name(item.meta_key)]["local_shape"])
+        slots[item] = TensorSlot(str(index), shape, item.dtype)
     for item in shards.items:
-        slot = slots[aliases.get(item.path[0], item.name)] if shards.section == "model" else slots[item.name]
-        _set(skeleton, item.path, slot)
+        _set(skeleton, item.out_path, slots[aliases.get(item, item)])
     return skeleton, slots
 
 
@@ -136,14 +132,14 @@ def _write_torch(shards: ShardSet, path: str, aliases: dict[str, str], progress:
     skeleton, slots = _slots(shards, aliases)
     with StreamingTorchWriter(path, {shards.section: skeleton}) as writer:
         for item in _progress(shards.items, "consolidate", progress):
-            if shards.section != "model" or item.path[0] not in aliases:
-                writer.write(slots[item.name], shards.full_tensor(item))
+            if item not in aliases:
+                writer.write(slots[item], shards.full_tensor(item))
 
 
 def _write_safetensors(shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None) -> None:
-    writer = StreamingSafetensorsWriter(path, {item.path[0]: (item.shape, item.dtype) for item in shards.items})
+    writer = StreamingSafetensorsWriter(path, {item.out_path[0]: (item.shape, item.dtype) for item in shards.items})
     for item in _progress(shards.items, "consolidate", progress):
-        writer.write(item.path[0], shards.full_tensor(item))
+        writer.write(item.out_path[0], shards.full_tensor(item))
     writer.close()
 
 
@@ -190,6 +186,7 @@ def _resharded_metadata(shards: ShardSet, rank: int, num_shards: int) -> dict[st
     mesh = {"shape": [num_shards], "dim_names": ["fsdp"], "coordinate": [rank]}
     tensors = {}
     for key, entry in shards.metadata.items():
+        key = canonical_name(key)
         sharded = any(p.startswith("shard:") for p in entry["placements"]) and len(entry["shape"]) > 0
         placements = ["shard:0"] if sharded else ["replicate"]
         offset, local = local_slice(tuple(entry["shape"]), placements, mesh["shape"], mesh["coordinate"])
@@ -244,11 +241,11 @@ def _reshard_section(shards: ShardSet, finals: list[str], num_shards: int, progr
             skeleton, slots = _slots(shards, aliases, meta)
             writers.append((StreamingTorchWriter(tmp, {shards.section: skeleton, "shard_metadata": meta}), slots))
         for item in _progress(shards.items, "reshard", progress):
-            if shards.section == "model" and item.path[0] in aliases:
+            if item in aliases:
                 continue
             full = shards.full_tensor(item)
             for meta, (writer, slots) in zip(metas, writers, strict=True):
-                writer.write(slots[item.name], _piece(full, item, meta))
+                writer.write(slots[item], _piece(full, item, meta))
         for writer, _ in writers:
             writer.close()
         for tmp, final in zip(tmps, finals, strict=True):
@@ -262,5 +259,5 @@ def _reshard_section(shards: ShardSet, finals: list[str], num_shards: int, progr
 def _piece(full: torch.Tensor, item: TensorItem, meta: dict[str, Any]) -> torch.Tensor:
     if item.meta_key is None:
         return full
-    entry = meta["tensors"][item.meta_key]
+    entry = meta["tensors"][canonical_name(item.meta_key)]
     return full[tuple(slice(o, o + n) for o, n in zip(entry["offset"], entry["local_shape"], strict=True))]

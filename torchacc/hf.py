@@ -17,7 +17,7 @@ import torch
 from ._safetensors_format import StreamingSafetensorsWriter
 from .consolidate import MODEL_PATTERN
 from .serialization import temp_path
-from .shards import ShardSet
+from .shards import ShardSet, canonical_name
 
 __all__ = ["export_hf"]
 
@@ -27,19 +27,21 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 def _dict_source(state: dict[str, torch.Tensor]) -> tuple[Layout, Callable[[str], torch.Tensor]]:
     seen: set[tuple[int, int]] = set()
     layout: Layout = {}
+    original: dict[str, str] = {}
     for key, value in state.items():
         ident = (value.untyped_storage().data_ptr(), value.storage_offset())
         if value.numel() and ident in seen:
             continue  # a tied weight: from_pretrained ties it again
         seen.add(ident)
-        layout[key] = (tuple(value.shape), value.dtype)
-    return layout, state.__getitem__
+        original[canonical_name(key)] = key
+        layout[canonical_name(key)] = (tuple(value.shape), value.dtype)
+    return layout, lambda key: state[original[key]]
 
 
 def _shard_source(pattern: str, verify: bool) -> tuple[Layout, Callable[[str], torch.Tensor]]:
     shards = ShardSet(pattern, section="model", verify=verify)
     aliases = shards.aliases()
-    items = {item.path[0]: item for item in shards.items if item.path[0] not in aliases}
+    items = {item.out_path[0]: item for item in shards.items if item not in aliases}
     return {k: (i.shape, i.dtype) for k, i in items.items()}, lambda key: shards.full_tensor(items[key])
 
 

@@ -18,7 +18,7 @@ import torch
 from .serialization import verify_file
 from .sharded_state import FORMAT, parse_dtype
 
-__all__ = ["ShardSet", "TensorItem"]
+__all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class TensorItem:
     """One tensor of the checkpoint: where it sits in the state, and how its pieces combine."""
 
     path: tuple[str, ...]  # keys from the section's root, e.g. ("state", "lm_head.weight", "exp_avg")
+    out_path: tuple[str, ...]  # the same with wrapper prefixes removed: where it goes in every output
     shape: tuple[int, ...]
     dtype: torch.dtype
     meta_key: str | None  # the shard_metadata entry it is sharded like; None when every rank has it whole
@@ -39,7 +40,18 @@ class TensorItem:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _get(obj: Any, path: tuple[str, ...]) -> Any:
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the segments that wrappers (torch.compile, checkpoint_wrapper, FSDP1) insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def get_path(obj: Any, path: tuple[str, ...]) -> Any:
+    """``obj[path[0]][path[1]]...``."""
     for part in path:
         obj = obj[part]
     return obj
@@ -128,9 +140,8 @@ class ShardSet:
                 if entry is None:
                     raise ValueError(f"{self.paths[0]}: {key} is in the state dict but not in shard_metadata")
                 sharded = any(p.startswith("shard:") for p in entry["placements"])
-                items.append(
-                    TensorItem((key,), tuple(entry["shape"]), parse_dtype(entry["dtype"]), key if sharded else None)
-                )
+                shape, dtype = tuple(entry["shape"]), parse_dtype(entry["dtype"])
+                items.append(TensorItem((key,), (canonical_name(key),), shape, dtype, key if sharded else None))
             return items
         if not isinstance(root, dict) or "state" not in root or "param_groups" not in root:
             raise ValueError(
@@ -138,7 +149,9 @@ class ShardSet:
                 "(state keyed by parameter name)"
             )
         for name, state in root["state"].items():
-            entry = self.metadata.get(name)
+            # checkpoint_wrapper strips its prefix from state_dict keys but not from parameter names.
+            meta_key = name if name in self.metadata else canonical_name(name)
+            entry = self.metadata.get(meta_key)
             if entry is None:
                 raise ValueError(f"{self.paths[0]}: optimizer state for {name!r}, which is not a model parameter")
             for state_key, value in state.items():
@@ -149,7 +162,9 @@ class ShardSet:
                     and list(value.shape) == entry["local_shape"]
                 )
                 shape = tuple(entry["shape"]) if sharded else tuple(value.shape)
-                items.append(TensorItem(("state", name, state_key), shape, value.dtype, name if sharded else None))
+                path = ("state", name, state_key)
+                out_path = ("state", canonical_name(name), state_key)
+                items.append(TensorItem(path, out_path, shape, value.dtype, meta_key if sharded else None))
         return items
 
     def _check_rank(self, rank: int) -> None:
@@ -157,7 +172,7 @@ class ShardSet:
         tensors = data["shard_metadata"]["tensors"]
         for item in self.items:
             try:
-                value = _get(data[self.section], item.path)
+                value = get_path(data[self.section], item.path)
             except (KeyError, TypeError):
                 raise ValueError(f"{path}: {item.name} is missing (rank 0 has it)") from None
             expected = tuple(tensors[item.meta_key]["local_shape"]) if item.meta_key else item.shape
@@ -195,35 +210,36 @@ class ShardSet:
     def full_tensor(self, item: TensorItem) -> torch.Tensor:
         """Rebuild ``item`` on the CPU from the memory-mapped pieces."""
         if item.meta_key is None:
-            return _get(self._data[0][self.section], item.path).clone()
+            return get_path(self._data[0][self.section], item.path).clone()
         full = torch.empty(item.shape, dtype=item.dtype)
         for offset, (rank, shape) in self._pieces(item).items():
-            piece = _get(self._data[rank][self.section], item.path)
+            piece = get_path(self._data[rank][self.section], item.path)
             full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].copy_(piece)
         return full
 
     def skeleton(self) -> Any:
-        """Rank 0's section with plain values kept and tensors left to be filled (``None`` placeholders)."""
+        """Rank 0's section under canonical names: plain values kept, tensors left as ``None`` to be filled."""
         root = self._data[0][self.section]
         if self.section == "model":
-            return {item.path[0]: None for item in self.items}
+            return {item.out_path[0]: None for item in self.items}
         state = {
-            name: {k: (None if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-            for name, s in root["state"].items()
+            canonical_name(name): {k: (None if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+            for name, values in root["state"].items()
         }
-        return {"state": state, "param_groups": root["param_groups"]}
+        groups = [{**g, "params": [canonical_name(n) for n in g["params"]]} for g in root["param_groups"]]
+        return {"state": state, "param_groups": groups}
 
-    def aliases(self) -> dict[str, str]:
-        """Model keys that share storage with an earlier key in rank 0's file (tied weights): key -> first key."""
+    def aliases(self) -> dict[TensorItem, TensorItem]:
+        """Model tensors that share storage with an earlier one in rank 0's file (tied weights): item -> first."""
         if self.section != "model":
             return {}
-        seen: dict[tuple, str] = {}
+        seen: dict[tuple, TensorItem] = {}
         aliases = {}
         for item in self.items:
             value = self._data[0]["model"][item.path[0]]
             ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
             if value.numel() and ident in seen:
-                aliases[item.path[0]] = seen[ident]
+                aliases[item] = seen[ident]
             else:
-                seen.setdefault(ident, item.path[0])
+                seen.setdefault(ident, item)
         return aliases

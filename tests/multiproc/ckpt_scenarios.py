@@ -54,8 +54,9 @@ def train_and_save(out: str) -> dict:
     reference = {"losses": reference_losses, "state": full_state(model)}
 
     model, loader, optimizer = build(fsdp=2)
-    it = iter(loader)
-    losses = train(model, optimizer, itertools.islice(it, 3))
+    consumed: list[int] = []
+    first_batches = [batch for batch in itertools.islice(loader, 3) if not consumed.extend(batch["index"].tolist())]
+    losses = train(model, optimizer, first_batches)
     ckpt_dir = os.path.join(out, "shards")
     os.makedirs(ckpt_dir, exist_ok=True)
     save_shards(model, optimizer, ckpt_dir)
@@ -78,6 +79,7 @@ def train_and_save(out: str) -> dict:
         "losses": losses,
         "gathered": gathered,
         "full_optim": full_optim,
+        "consumed_indices": consumed,
         "reload_equal": all(torch.equal(reloaded[k], gathered[k]) for k in gathered),
     }
 
@@ -120,9 +122,11 @@ def load_elsewhere(out: str, layout: str) -> dict:
         "optim": torchacc.optim_state_dict(model, optimizer, full=True),
     }
 
-    model, _, optimizer = build(fsdp=fsdp, dp=None if layout == "fsdp" else world // fsdp)
-    torchacc.load_checkpoint(os.path.join(out, "dcp"), model=model, optimizer=optimizer)
+    model, loader, optimizer = build(fsdp=fsdp, dp=None if layout == "fsdp" else world // fsdp)
+    torchacc.load_checkpoint(os.path.join(out, "dcp"), model=model, optimizer=optimizer, dataloader=loader)
     result["dcp"] = {"state": full_state(model), "optim": torchacc.optim_state_dict(model, optimizer, full=True)}
+    # 3 steps x 2 samples x 2 ranks of the 64-sample epoch were consumed; the rest is re-split over this world.
+    result["remaining_indices"] = [i for batch in loader for i in batch["index"].tolist()]
 
     resharded = os.path.join(out, f"resharded-{world}")
     if layout == "fsdp" and os.path.isdir(resharded):
@@ -139,3 +143,40 @@ def load_elsewhere(out: str, layout: str) -> dict:
             "optim": torchacc.optim_state_dict(model, optimizer, full=True),
         }
     return result
+
+
+def features(out: str) -> dict:
+    """Frozen and optimizer-less parameters, two param groups, a bf16 buffer and a checkpoint_wrapper prefix."""
+    from _models import TinyNet
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.register_buffer("scale", torch.linspace(0, 1, 4).bfloat16())
+    model.blocks[1] = checkpoint_wrapper(model.blocks[1])
+    model.blocks[0].fc1.weight.requires_grad_(False)
+    config = torchacc.Config()
+    config.dist.fsdp.size = 2
+    config.dist.fsdp.wrap_layer_cls = {"Block"}
+    model = torchacc.accelerate(model, config=config)
+    named = dict(model.named_parameters())
+    decay = [p for n, p in named.items() if n.endswith("weight") and p.requires_grad]
+    no_decay = [p for n, p in named.items() if n.endswith("bias") and n != "head.bias"]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(torchacc.dist.rank()))
+    for _ in range(2):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
+    meta = model.get_shard_metadata()
+    ckpt_dir = os.path.join(out, "features")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    torchacc.save(
+        {"model": model.state_dict(), "shard_metadata": meta},
+        f"{ckpt_dir}/rank-{rank}-of-{world}-model.pth",
+        master_only=False,
+    )
+    optim = {"optimizer": torchacc.optim_state_dict(model, optimizer), "shard_metadata": meta}
+    torchacc.save(optim, f"{ckpt_dir}/rank-{rank}-of-{world}-optim.pth", master_only=False)
+    return {"state": full_state(model), "optim": torchacc.optim_state_dict(model, optimizer, full=True)}

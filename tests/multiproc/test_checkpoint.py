@@ -104,6 +104,9 @@ def test_other_world_sizes_load_model_and_optimizer(saved, world, layout):
     out, results = saved
     loaded = launch(f"{SCENARIOS}:load_elsewhere", world, out / f"logs-{world}-{layout}", args=(out, layout))
     expected_optim = results[0]["full_optim"]["state"]
+    remaining = sorted(i for rank_result in loaded for i in rank_result.pop("remaining_indices"))
+    consumed = {i for r in results for i in r["consumed_indices"]}
+    assert set(remaining) == set(range(64)) - consumed and len(remaining) == 64 - 12, "re-split, never replayed"
     for source, result in loaded[0].items():
         assert_states_equal(result["state"], results[0]["gathered"])
         for name, values in expected_optim.items():
@@ -193,3 +196,41 @@ def test_no_files(tmp_path):
 
 def test_shard_set_reports_world_size(shard_copy):
     assert ShardSet(f"{shard_copy}/rank-*-of-*-model.pth").world_size == 2
+
+
+@pytest.fixture(scope="module")
+def features(saved):
+    out, _ = saved
+    results = launch(f"{SCENARIOS}:features", 2, out / "logs-features", args=(out,))
+    return out / "features", results[0]
+
+
+def test_frozen_buffers_dtypes_and_wrapper_prefixes_consolidate(features):
+    from _models import TinyNet
+
+    from torchacc.shards import canonical_name
+
+    directory, result = features
+    full = torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(ckpt_prefix=f"{directory}/", save_model=False)
+    assert not [k for k in full["model"] if "_checkpoint_wrapped_module" in k]
+    expected = {canonical_name(k): v for k, v in result["state"].items()}
+    assert_states_equal(full["model"], expected)
+    assert full["model"]["scale"].dtype == torch.bfloat16
+    plain = TinyNet()
+    plain.register_buffer("scale", torch.zeros(4, dtype=torch.bfloat16))
+    plain.load_state_dict(full["model"], strict=True)
+
+
+def test_param_groups_and_parameters_without_state_consolidate(features):
+    from torchacc.shards import canonical_name
+
+    directory, result = features
+    full = torchacc.dist.fsdp.consolidate_sharded_optimizer_checkpoints(
+        ckpt_prefix=f"{directory}/", save_optimizer=False
+    )["optimizer"]
+    assert "blocks.0.fc1.weight" not in full["state"] and "head.bias" not in full["state"]
+    assert [g["weight_decay"] for g in full["param_groups"]] == [0.1, 0.0]
+    assert "blocks.1.fc1.weight" in full["param_groups"][0]["params"]
+    for name, values in result["optim"]["state"].items():
+        for key, value in values.items():
+            assert torch.equal(full["state"][canonical_name(name)][key], value), (name, key)
