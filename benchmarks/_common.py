@@ -134,3 +134,109 @@ def machine_summary() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training benchmarks (throughput.py, memory.py): torchrun launches, a GPT-2 model, synthetic tokens.
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_torchrun(
+    script: str, args: Sequence[str], *, nproc: int, timeout: float | None = None, echo: bool = True
+) -> list[dict[str, Any]]:
+    """Run ``script`` on ``nproc`` local ranks with ``torchrun --standalone``; return its ``RESULT`` lines.
+
+    Every rank gets ``OMP_NUM_THREADS=1`` (one compute thread per rank). Lines the ranks print that are
+    not results are echoed to stderr as they come (progress), so stdout keeps only the caller's tables.
+
+    Raises:
+        RuntimeError: a rank failed or the run took over ``timeout`` seconds; the message holds the output tail.
+    """
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    timer = threading.Timer(timeout, proc.kill) if timeout else None
+    if timer:
+        timer.start()
+    results: list[dict[str, Any]] = []
+    tail: list[str] = []
+    for line in proc.stdout or ():
+        if line.startswith(RESULT_PREFIX):
+            results.append(json.loads(line[len(RESULT_PREFIX) :]))
+            continue
+        tail = [*tail[-200:], line]
+        if echo:
+            sys.stderr.write(line)
+    code = proc.wait()
+    if timer:
+        timer.cancel()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{''.join(tail)[-6000:]}")
+    return results
+
+
+def gpt2_model(*, n_layer: int, n_embd: int, n_head: int, vocab: int, seq: int, seed: int = 0) -> Any:
+    """A randomly initialized ``transformers.GPT2LMHeadModel`` (dropout off, float32), the same on every rank."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def num_params(model: Any) -> int:
+    """Parameters counted once each (GPT-2's tied ``wte``/``lm_head`` once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def random_tokens(num_samples: int, seq: int, vocab: int, seed: int = 0) -> Any:
+    """A map-style dataset of ``{"input_ids", "labels"}`` rows of random token ids (a list of dicts)."""
+    import torch
+
+    ids = torch.randint(vocab, (num_samples, seq), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def process_group_backend(device_type: str) -> str:
+    """The backend torchacc starts for ``device_type``: NCCL for CUDA tensors (gloo beside it), gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def malloc_trim() -> bool:
+    """Give freed heap memory back to the kernel (glibc ``malloc_trim(0)``); False where it is unavailable."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux ``/proc/self/clear_refs``, value 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """``print_result`` for a rank sharing stdout with other ranks: the line goes out in one ``write`` (atomic on
+    a pipe below 4 KiB), so lines of different ranks never interleave."""
+    os.write(1, (RESULT_PREFIX + json.dumps(result) + "\n").encode())

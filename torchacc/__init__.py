@@ -19,6 +19,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig
 from .consolidate import consolidate, reshard_checkpoint
 from .hf import export_hf
+from .materialize import init_empty_weights
 from .optim_state import load_optim_state_dict, optim_state_dict
 from .precision import GradScaler
 from .serialization import load, save
@@ -34,6 +35,7 @@ __all__ = [
     "FSDPConfig",
     "DataLoaderConfig",
     "accelerate",
+    "init_empty_weights",
     "GradScaler",
     "save",
     "load",

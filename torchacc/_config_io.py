@@ -135,35 +135,52 @@ def merge(cls: type, sources: list[Any]) -> Any:
     return _build(cls, data)
 
 
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
+def _alternatives(tp: Any) -> tuple[list[Any], bool]:
+    """The non-None members of a union annotation (or ``[tp]``), and whether None is allowed."""
     if typing.get_origin(tp) in (Union, types.UnionType):
-        return next(a for a in typing.get_args(tp) if a is not type(None)), True
-    return tp, False
+        args = typing.get_args(tp)
+        return [a for a in args if a is not type(None)], type(None) in args
+    return [tp], False
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    return f"{origin.__name__} of str" if origin else tp.__name__
 
 
 def _type_error(path: str, tp: Any, value: Any) -> ValueError:
-    inner, optional = _strip_optional(tp)
-    origin = typing.get_origin(inner)
-    name = f"{origin.__name__} of str" if origin else inner.__name__
-    expected = f"{name} or None" if optional else name
-    use = _EXAMPLES.get(origin or inner, f"a {name} instance") + (" or None" if optional else "")
-    return ValueError(f"{path}: expected {expected}, got {fmt(value)} ({type(value).__name__}); use {use}")
+    alternatives, optional = _alternatives(tp)
+    names = [_type_name(a) for a in alternatives] + (["None"] if optional else [])
+    uses = [_EXAMPLES.get(typing.get_origin(a) or a, f"a {_type_name(a)} instance") for a in alternatives]
+    uses += ["None"] if optional else []
+    return ValueError(
+        f"{path}: expected {' or '.join(names)}, got {fmt(value)} ({type(value).__name__}); use {' or '.join(uses)}"
+    )
+
+
+def _check_one(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(True, normalized value) if ``value`` fits the single type ``tp``, else (False, None)."""
+    origin = typing.get_origin(tp)
+    if origin is set and isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
+        return True, set(value)
+    if origin is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return True, list(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True, float(value)
+    if origin is None and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return True, value
+    return False, None
 
 
 def _check_type(value: Any, tp: Any, path: str) -> Any:
     """Return ``value`` normalized to ``tp`` (list/tuple -> set, int -> float), or raise ValueError."""
-    inner, optional = _strip_optional(tp)
-    origin = typing.get_origin(inner)
+    alternatives, optional = _alternatives(tp)
     if value is None and optional:
         return None
-    if origin is set and isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
-        return set(value)
-    if origin is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if origin is None and isinstance(value, inner) and not (inner is int and isinstance(value, bool)):
-        return value
+    for alternative in alternatives:
+        ok, normalized = _check_one(value, alternative)
+        if ok:
+            return normalized
     raise _type_error(path, tp, value)
 
 

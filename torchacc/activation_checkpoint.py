@@ -28,7 +28,7 @@ class _CheckpointedForward:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, layer_classes: Collection[type[nn.Module]], *, num_layers: int | None = None
+    model: nn.Module, layer_classes: Collection[type[nn.Module]], *, num_layers: int | None = None, interval: int = 1
 ) -> list[str]:
     """Checkpoint the activations of every module of ``layer_classes`` (or of the first ``num_layers``).
 
@@ -37,6 +37,7 @@ def apply_activation_checkpointing(
         layer_classes: classes whose instances are checkpointed (the outermost match wins; a match
             nested inside another match is left alone, since its parent already recomputes it).
         num_layers: checkpoint only the first N matches, in module order; None checkpoints all.
+        interval: selective checkpointing: only every ``interval``-th match (the 1st, the k+1-th, ...).
 
     Returns:
         The names of the checkpointed modules, in module order.
@@ -45,14 +46,13 @@ def apply_activation_checkpointing(
         >>> apply_activation_checkpointing(model, {GPT2Block}, num_layers=6)
     """
     classes = tuple(layer_classes)
-    names: list[str] = []
+    matches = []
     for name, module in model.named_modules():
-        if not isinstance(module, classes) or any(name.startswith(f"{done}.") for done in names):
-            continue
-        if num_layers is not None and len(names) >= num_layers:
-            break
-        if isinstance(module.forward, _CheckpointedForward):
-            continue
-        module.forward = _CheckpointedForward(module.forward)
+        if isinstance(module, classes) and not any(name.startswith(f"{outer}.") or not outer for outer, _ in matches):
+            matches.append((name, module))
+    names: list[str] = []
+    for name, module in matches[::interval][:num_layers]:
+        if not isinstance(module.forward, _CheckpointedForward):
+            module.forward = _CheckpointedForward(module.forward)
         names.append(name)
     return names

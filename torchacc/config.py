@@ -38,6 +38,9 @@ class ComputeConfig(Node):
     """Compute in bfloat16 (parameters stay float32). Mutually exclusive with fp16."""
     fp16: bool = False
     """Compute in float16 (parameters stay float32). Mutually exclusive with bf16."""
+    compile: bool = False
+    """``torch.compile`` every dist.fsdp.wrap_layer_cls block, after activation checkpointing and before sharding,
+    in place (``module.compile()``), so FSDP's hooks still fire and state_dict keys stay unchanged."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +55,11 @@ class MemoryConfig(Node):
     Setting it while gc is False is an error."""
     gc_cnt: int | None = None
     """Checkpoint only the first N matching layers (in module order); None checkpoints all of them."""
+    gc_interval: int = 1
+    """Selective checkpointing: checkpoint every k-th matching layer (1 checkpoints each one)."""
+    offload_params: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 ``CPUOffloadPolicy``); CUDA
+    only: on a CPU run everything already is in CPU memory, so it is ignored with a warning."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,10 +80,22 @@ class FSDPConfig(Node):
     """Number of ranks that shard one model replica; 1 disables sharding. Must divide the world size."""
     wrap_layer_cls: set[str] = field(default_factory=set)
     """Class names of the layers that each become one FSDP unit, e.g. {"GPT2Block"}; the root is wrapped last."""
-    reshard_after_forward: bool = True
-    """Free gathered parameters after forward and gather again in backward (less memory, more communication)."""
+    reshard_after_forward: bool | int = True
+    """Free gathered parameters after forward and gather again in backward (less memory, more communication);
+    False keeps them until backward; an int N reshards to groups of N ranks (a divisor of dist.fsdp.size, e.g.
+    the ranks of one node), so the backward all-gather stays inside them."""
+    forward_prefetch: int = 0
+    """All-gather the next N units' parameters during forward (explicit prefetching); 0 keeps FSDP2's default."""
+    backward_prefetch: int = 0
+    """All-gather the next N units' parameters during backward; 0 keeps FSDP2's default (one, implicitly)."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter/all-reduce: "float32" (default, exact), "bfloat16" or "float16"."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers before sharding so all ranks start identical."""
+    init_from: str | None = None
+    """For a model built with ``torchacc.init_empty_weights()``: a consolidated ``.pth`` file or a Hugging Face
+    directory (safetensors) to fill the shards from; each rank reads only its slices. None uses the model's own
+    init (``reset_parameters``, or HF ``init_weights``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,6 +201,22 @@ class Config(Node):
                     f"memory.{name}={fmt(value)} is set but memory.gc is False; "
                     f"set memory.gc=True to enable activation checkpointing, or unset memory.{name}"
                 )
+        if m.gc_interval < 1:
+            raise ValueError(f"memory.gc_interval must be >= 1, got {m.gc_interval}; 1 checkpoints every layer")
+        for name in ("forward_prefetch", "backward_prefetch"):
+            if getattr(d.fsdp, name) < 0:
+                raise ValueError(f"dist.fsdp.{name} must be >= 0, got {getattr(d.fsdp, name)}; 0 keeps the default")
+        if d.fsdp.reduce_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dist.fsdp.reduce_dtype={d.fsdp.reduce_dtype!r} is not supported; use 'float32', 'bfloat16' or "
+                "'float16'"
+            )
+        raf = d.fsdp.reshard_after_forward
+        if not isinstance(raf, bool) and (raf < 1 or fsdp % raf):
+            raise ValueError(
+                f"dist.fsdp.reshard_after_forward={raf} must divide dist.fsdp.size={fsdp}; use True, False or a "
+                f"divisor of {fsdp} (the ranks of one node)"
+            )
         if m.gc and not m.gc_cls and not d.fsdp.wrap_layer_cls:
             raise ValueError(
                 "memory.gc=True but memory.gc_cls and dist.fsdp.wrap_layer_cls are both empty, so nothing would be "

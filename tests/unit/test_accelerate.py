@@ -64,11 +64,34 @@ def test_already_accelerated_model_is_refused():
         torchacc.accelerate(model)
 
 
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+
 def test_meta_model_without_materialization_is_refused():
-    with torch.device("meta"):
-        model = TinyNet()
-    with pytest.raises(ValueError, match="meta device.*blocks.0.fc1.weight.*build the model on the CPU"):
+    with torchacc.init_empty_weights():
+        model = nn.Sequential(nn.Linear(4, 4), Scale())
+    with pytest.raises(ValueError, match=r"no way to initialize them: module '1' has no reset_parameters\(\)"):
         torchacc.accelerate(model)
+    with torch.device("meta"):
+        model = nn.BatchNorm1d(4)
+    with pytest.raises(ValueError, match="buffers on the meta device.*build the model under torchacc.init_empty"):
+        torchacc.accelerate(model)
+
+
+def test_meta_model_is_materialized_with_its_own_init_and_real_buffers():
+    with torchacc.init_empty_weights():
+        model = TinyNet()
+        model.register_buffer("table", torch.arange(3.0), persistent=False)
+    assert model.blocks[0].fc1.weight.is_meta and not model.table.is_meta
+    model = torchacc.accelerate(model)
+    weight = model.blocks[0].fc1.weight
+    assert not weight.is_meta and torch.equal(model.table, torch.arange(3.0))
+    bound = 1 / 16**0.5  # nn.Linear's kaiming-uniform bound for fan_in 16
+    assert weight.abs().max() <= bound and weight.std() > bound / 3
+    assert torch.isfinite(model(torch.randn(2, 16))).all()
 
 
 def test_optimizer_of_another_model_is_refused():

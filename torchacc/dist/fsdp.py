@@ -8,9 +8,10 @@ This module knows nothing of ``Config``: ``accelerate()`` turns the config into 
 
 from collections.abc import Collection, Iterable
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .._logging import warn_once
 from ..consolidate import consolidate_sharded_model_checkpoints, consolidate_sharded_optimizer_checkpoints
@@ -74,6 +75,9 @@ def wrap_fsdp(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int = True,
+    offload_policy: OffloadPolicy | None = None,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 0,
 ) -> nn.Module:
     """Shard ``model`` in place: every module of ``layer_classes`` bottom-up, then the root.
 
@@ -83,11 +87,15 @@ def wrap_fsdp(
     ``lm_head``) is left to its parent, because tied weights must live in one FSDP group.
 
     Args:
-        model: the model, on any device; its parameter names are unchanged.
+        model: the model, on any device (or the meta device); its parameter names are unchanged.
         mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP).
         layer_classes: module classes to make units of (resolve names with ``resolve_module_classes``).
         mp_policy: FSDP2 mixed precision; defaults to the parameters' own dtype with float32 reduction.
-        reshard_after_forward: free gathered parameters after forward (True) or keep them for backward.
+        reshard_after_forward: free gathered parameters after forward (True), keep them for backward
+            (False), or reshard to groups of that many ranks (int). The root keeps them (FSDP2's choice).
+        offload_policy: e.g. ``CPUOffloadPolicy()`` to keep shards in CPU memory (CUDA runs).
+        forward_prefetch: explicitly all-gather the next N units during forward (0: FSDP2's default).
+        backward_prefetch: explicitly all-gather the next N units during backward (0: FSDP2's default).
 
     Returns:
         ``model`` itself, now an ``FSDPModule`` whose parameters are DTensors.
@@ -96,7 +104,10 @@ def wrap_fsdp(
         >>> wrap_fsdp(model, mesh, {GPT2Block}, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     """
     if mp_policy is None:
-        mp_policy = MixedPrecisionPolicy()
+        mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
     classes = tuple(layer_classes)
     candidates = [(n, m) for n, m in model.named_modules() if m is not model and isinstance(m, classes)]
     for name, param_name in _modules_with_foreign_params(model, candidates).items():
@@ -107,9 +118,21 @@ def wrap_fsdp(
         candidates = [(n, m) for n, m in candidates if n != name]
     # named_modules() lists parents before children, so the reverse shards children first.
     for _, module in reversed(candidates):
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    units = [m for _, m in candidates]
+    _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
     return model
+
+
+def _set_prefetch(units: list[nn.Module], *, forward: int, backward: int) -> None:
+    """Explicit prefetching: each unit starts the all-gather of the next ``forward`` units (in forward order)
+    and of the previous ``backward`` units (in backward order)."""
+    for i, unit in enumerate(units):
+        if forward:
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + forward])
+        if backward:
+            unit.set_modules_to_backward_prefetch(list(reversed(units[max(0, i - backward) : i])))
 
 
 def wrap_ddp(model: nn.Module, *, sync_module_states: bool = True) -> nn.Module:
