@@ -104,6 +104,29 @@ def warm_page_cache(paths: Iterable[str], chunk: int = 16 << 20) -> int:
     return total
 
 
+def cpu_busy(window: float = 0.5) -> float:
+    """The fraction of all CPUs busy (not idle) over the next ``window`` seconds, from ``/proc/stat``."""
+
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3]  # total, idle (iowait counts as busy: someone else's I/O disturbs ours)
+
+    total0, idle0 = snapshot()
+    time.sleep(window)
+    total1, idle1 = snapshot()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_idle(threshold: float = 0.1, timeout: float = 120.0) -> float:
+    """Wait (at most ``timeout`` s) until other jobs on a shared machine leave the CPUs; return the busy fraction."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = cpu_busy()
+        if busy <= threshold or time.monotonic() >= deadline:
+            return busy
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 

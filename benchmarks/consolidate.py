@@ -35,7 +35,18 @@ import time
 import warnings
 from typing import Any
 
-from _common import GB, machine_summary, markdown_table, median, print_result, read_status, run_child, warm_page_cache
+from _common import (
+    GB,
+    cpu_busy,
+    machine_summary,
+    markdown_table,
+    median,
+    print_result,
+    read_status,
+    run_child,
+    wait_for_idle,
+    warm_page_cache,
+)
 
 WORLD_SIZE = 2
 PATTERN = "rank-*-of-*-model.pth"
@@ -151,11 +162,14 @@ def child(variant: str, root: str) -> None:
     paths = _paths(root)
     out = os.path.join(paths["out"], "consolidated.pth")
     pattern = os.path.join(paths["shard_dir"], PATTERN)
-    if not variant.startswith("copy"):  # import outside the timed window
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    # import outside the timed window, and only what the variant needs
+    if variant.startswith("torchacc"):
         import torchacc
         import torchacc.dist.fsdp
+    elif variant == "dcp_to_torch_save":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    elif variant == "load-everything":
+        import torch  # noqa: F401
     start_status = read_status()
     t_start = time.monotonic()
     if variant == "torchacc return":
@@ -190,14 +204,15 @@ def child(variant: str, root: str) -> None:
     )
 
 
-def run_one(variant: str, root: str) -> dict[str, Any]:
+def run_one(variant: str, root: str, wait_idle: float) -> dict[str, Any]:
     paths = _paths(root)
     shutil.rmtree(paths["out"])
     os.makedirs(paths["out"])
     os.sync()  # flush the previous run's output so its write-back does not slow this run
+    busy = wait_for_idle(timeout=wait_idle) if wait_idle > 0 else cpu_busy(0.1)
     warm_page_cache([paths["dcp"]] if variant == "dcp_to_torch_save" else paths["shards"])
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--workdir", root]
-    return run_child(cmd, env=dict(os.environ))
+    return {**run_child(cmd, env=dict(os.environ)), "cpu_busy_before": busy}
 
 
 def summarize(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[dict[str, Any]]:
@@ -321,12 +336,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds of all variants (default 3, or 1 with --quick)")
     parser.add_argument("--workdir", help="where the temporary checkpoint goes (default: a new dir under /tmp)")
     parser.add_argument("--out", default=OUT_DIR, help="where the PNG and the raw JSON go (default benchmarks/out)")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        help="before each run, wait up to this many seconds for other jobs to leave the CPUs (default 120; 0: --quick)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.workdir)
         return
     rounds = args.rounds or (1 if args.quick else 3)
+    wait_idle = args.wait_idle if args.wait_idle is not None else (0 if args.quick else 120)
     name = "consolidate-quick" if args.quick else "consolidate"
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
@@ -345,8 +366,12 @@ def main() -> None:
         for round_index in range(rounds):
             shift = round_index % len(VARIANTS)
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                runs.append(run_one(variant, root))
-                print(f"  round {round_index + 1}/{rounds} {variant:<22} {runs[-1]['seconds']:7.2f} s", flush=True)
+                runs.append(run_one(variant, root, wait_idle))
+                print(
+                    f"  round {round_index + 1}/{rounds} {variant:<22} {runs[-1]['seconds']:7.2f} s "
+                    f"(CPUs {runs[-1]['cpu_busy_before']:.0%} busy before)",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(runs, info)

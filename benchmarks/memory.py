@@ -110,7 +110,13 @@ def worker(args: argparse.Namespace) -> None:
                 optimizer.zero_grad(set_to_none=True)
         torchacc.dist.barrier()
     status = read_status()
-    result.update(train_hwm=status["VmHWM"], train_sampled=sampler.peak("VmRSS"), num_samples=len(sampler.samples))
+    result.update(
+        train_hwm=status["VmHWM"],
+        train_sampled=sampler.peak("VmRSS"),
+        train_anon=sampler.peak("RssAnon"),
+        train_file=sampler.peak("RssFile"),
+        num_samples=len(sampler.samples),
+    )
     emit_result(result)
     torchacc.dist.teardown()
 
@@ -128,12 +134,16 @@ def theory(params: int, units: dict[str, int], world: int, kind: str) -> tuple[f
 
 
 def summarize(results: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    baseline = {w: max(r["train_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w)
-                for w in {r["world"] for r in results}}
-    baseline_sampled = {w: max(r["train_sampled"] for r in results if r["kind"] == "baseline" and r["world"] == w)
-                        for w in baseline}
-    baseline_setup = {w: max(r["setup_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w)
-                      for w in baseline}
+    baseline = {
+        w: max(r["train_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w)
+        for w in {r["world"] for r in results}
+    }
+    baseline_sampled = {
+        w: max(r["train_sampled"] for r in results if r["kind"] == "baseline" and r["world"] == w) for w in baseline
+    }
+    baseline_setup = {
+        w: max(r["setup_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w) for w in baseline
+    }
     rows, points = [], []
     for kind, world in RUNS:
         ranks = [r for r in results if r["kind"] == kind and r["world"] == world]
@@ -145,14 +155,33 @@ def summarize(results: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]
         sampled = max(r["train_sampled"] for r in ranks) - baseline_sampled[world]
         setup = max(r["setup_hwm"] for r in ranks) - baseline_setup[world]
         diff = (measured - (state + unit)) / (state + unit)
-        rows.append([
-            LABELS[kind], world, f"{params / 1e6:.1f}M", f"{state / GB:.3f}", f"{unit / GB:.3f}",
-            f"{(state + unit) / GB:.3f}", f"{measured / GB:.3f}", f"**{diff:+.1%}**", f"{sampled / GB:.3f}",
-            f"{setup / GB:.3f}",
-        ])
+        rows.append(
+            [
+                LABELS[kind],
+                world,
+                f"{params / 1e6:.1f}M",
+                f"{state / GB:.3f}",
+                f"{unit / GB:.3f}",
+                f"{(state + unit) / GB:.3f}",
+                f"{measured / GB:.3f}",
+                f"**{diff:+.1%}**",
+                f"{sampled / GB:.3f}",
+                f"{setup / GB:.3f}",
+            ]
+        )
         points.append({"kind": kind, "world": world, "theory": state + unit, "measured": measured, "diff": diff})
-    headers = ["config", "N", "params", "theory 16P/N (GB)", "+ unit (GB)", "theory (GB)", "training peak (GB)",
-               "vs theory", "sampled peak (GB)", "set-up peak (GB)"]
+    headers = [
+        "config",
+        "N",
+        "params",
+        "theory 16P/N (GB)",
+        "+ unit (GB)",
+        "theory (GB)",
+        "training peak (GB)",
+        "vs theory",
+        "sampled peak (GB)",
+        "set-up peak (GB)",
+    ]
     return markdown_table(headers, rows), points
 
 
@@ -209,17 +238,23 @@ def main() -> None:
     table, points = summarize(results)
     info = machine_summary()
     n_layer, n_embd, n_head, vocab = QUICK_MODEL if args.quick else FULL_MODEL
-    print(f"\n## Per-rank training memory: GPT-2 (n_layer {n_layer}, n_embd {n_embd}, vocab {vocab}), fp32 AdamW, "
-          f"CPU/gloo (batch {args.batch}, seq {args.seq}, {args.steps} steps)\n")
-    print(f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
-          f"wall {time.monotonic() - started:.0f} s\n")
+    print(
+        f"\n## Per-rank training memory: GPT-2 (n_layer {n_layer}, n_embd {n_embd}, vocab {vocab}), fp32 AdamW, "
+        f"CPU/gloo (batch {args.batch}, seq {args.seq}, {args.steps} steps)\n"
+    )
+    print(
+        f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+        f"wall {time.monotonic() - started:.0f} s\n"
+    )
     print("Peaks are per rank (the largest rank) minus the empty baseline rank of the same world size.\n")
     print(table)
     first = next(r for r in results if r["kind"] != "baseline")
     base = {w: max(r["train_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w) for w in (1, 2)}
-    print(f"\nunits (params): {first['units']}; baseline peak RSS: "
-          + ", ".join(f"N={w}: {b / GB:.3f} GB" for w, b in base.items())
-          + f"; malloc_trim: {all(r['trimmed'] for r in results)}, peak reset: {all(r['hwm_reset'] for r in results)}")
+    print(
+        f"\nunits (params): {first['units']}; baseline peak RSS: "
+        + ", ".join(f"N={w}: {b / GB:.3f} GB" for w, b in base.items())
+        + f"; malloc_trim: {all(r['trimmed'] for r in results)}, peak reset: {all(r['hwm_reset'] for r in results)}"
+    )
     os.makedirs(OUT_DIR, exist_ok=True)
     with open(os.path.join(OUT_DIR, "memory.json"), "w") as f:
         json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)

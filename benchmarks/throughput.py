@@ -204,8 +204,13 @@ def worker(args: argparse.Namespace) -> None:
         for name in names:
             for contender in order:
                 result = measure(contender, sizes[name], args, device, gloo)
-                result.update(round=round_index, size=name, contender=contender, rank=rank, order="".join(
-                    "abcd"[CONTENDERS.index(c)] for c in order))
+                result.update(
+                    round=round_index,
+                    size=name,
+                    contender=contender,
+                    rank=rank,
+                    order="".join("abcd"[CONTENDERS.index(c)] for c in order),
+                )
                 if rank == 0 and "tokens_per_s" in result:
                     print(
                         f"[round {round_index + 1}/{args.rounds}] {name} {LABELS[contender]}: "
@@ -227,8 +232,11 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
     """The medians table, the per-round table, a fairness line, and the medians for the plot."""
     timed = [r for r in results if "tokens_per_s" in r]
     sizes = list(dict.fromkeys(r["size"] for r in timed))
-    tok = {(s, c): [r["tokens_per_s"] for r in timed if r["size"] == s and r["contender"] == c] for s in sizes
-           for c in CONTENDERS}
+    tok = {
+        (s, c): [r["tokens_per_s"] for r in timed if r["size"] == s and r["contender"] == c]
+        for s in sizes
+        for c in CONTENDERS
+    }
     med = {key: median(values) for key, values in tok.items() if values}
     rows, round_rows, loss_gap = [], [], 0.0
     for s in sizes:
@@ -240,23 +248,43 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
                 ratios.append(this["torchacc"]["tokens_per_s"] / this["fsdp2"]["tokens_per_s"])
                 loss_gap = max(loss_gap, abs(this["torchacc"]["loss"] - this["fsdp2"]["loss"]))
             order = next(iter(this.values()))["order"]
-            round_rows.append([s, round_index + 1, order, *(
-                f"{this[c]['tokens_per_s']:,.0f}" if c in this else "-" for c in CONTENDERS),
-                f"{ratios[-1]:.3f}" if ratios else "-"])
+            round_rows.append(
+                [
+                    s,
+                    round_index + 1,
+                    order,
+                    *(f"{this[c]['tokens_per_s']:,.0f}" if c in this else "-" for c in CONTENDERS),
+                    f"{ratios[-1]:.3f}" if ratios else "-",
+                ]
+            )
         ratio = med[(s, "torchacc")] / med[(s, "fsdp2")]
         spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
         single = med[(s, "single")]
-        rows.append([
-            s, f"{params / 1e6:.2f}M", args.nproc * args.batch * args.seq,
-            *(f"{med[(s, c)]:,.0f}" for c in CONTENDERS),
-            f"**{ratio:.3f}**{spread}",
-            *(f"{med[(s, c)] / single:.2f}x" for c in ("torchacc", "fsdp2", "ddp")),
-        ])
-    headers = ["model", "params", "tokens/step", *(LABELS[c] + " tok/s" for c in CONTENDERS), "(a)/(b) (range)",
-               "speed-up (a)", "speed-up (b)", "speed-up (c)"]
+        rows.append(
+            [
+                s,
+                f"{params / 1e6:.2f}M",
+                args.nproc * args.batch * args.seq,
+                *(f"{med[(s, c)]:,.0f}" for c in CONTENDERS),
+                f"**{ratio:.3f}**{spread}",
+                *(f"{med[(s, c)] / single:.2f}x" for c in ("torchacc", "fsdp2", "ddp")),
+            ]
+        )
+    headers = [
+        "model",
+        "params",
+        "tokens/step",
+        *(LABELS[c] + " tok/s" for c in CONTENDERS),
+        "(a)/(b) (range)",
+        "speed-up (a)",
+        "speed-up (b)",
+        "speed-up (c)",
+    ]
     idle = [r["idle_cpu_s"] for r in results if "idle_cpu_s" in r]
-    notes = (f"max |final loss (a) - final loss (b)| over rounds: {loss_gap:.2e} (same data, same init); "
-             f"CPU time of the idle rank during (d): max {max(idle, default=0.0):.3f} s")
+    notes = (
+        f"max |final loss (a) - final loss (b)| over rounds: {loss_gap:.2e} (same data, same init); "
+        f"CPU time of the idle rank during (d): max {max(idle, default=0.0):.3f} s"
+    )
     per_round = markdown_table(["model", "round", "order", *(LABELS[c] for c in CONTENDERS), "(a)/(b)"], round_rows)
     return markdown_table(headers, rows), per_round, notes, med
 
@@ -323,16 +351,18 @@ def main() -> None:
             sys.exit(f"--device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}; pass --nproc")
     passed = [a for a in sys.argv[1:] if a != "--worker"]
     started = time.monotonic()
-    results = run_torchrun(
-        os.path.abspath(__file__), [*passed, "--worker", "--device", args.device], nproc=args.nproc
-    )
+    results = run_torchrun(os.path.abspath(__file__), [*passed, "--worker", "--device", args.device], nproc=args.nproc)
     table, per_round, notes, med = summarize(results, args)
     info = machine_summary()
-    print(f"\n## Training throughput: GPT-2, fp32 AdamW, {args.nproc} ranks on {args.device} "
-          f"(batch {args.batch}/rank, seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds, "
-          f"{args.warmup} warm-up steps)\n")
-    print(f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
-          f"wall {time.monotonic() - started:.0f} s\n")
+    print(
+        f"\n## Training throughput: GPT-2, fp32 AdamW, {args.nproc} ranks on {args.device} "
+        f"(batch {args.batch}/rank, seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds, "
+        f"{args.warmup} warm-up steps)\n"
+    )
+    print(
+        f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+        f"wall {time.monotonic() - started:.0f} s\n"
+    )
     print("Medians over rounds; speed-up = tokens/s against (d) one process.\n")
     print(table)
     print("\nPer round (tokens/s):\n")

@@ -25,24 +25,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(target: str, world_size: int, out_dir: Path, *, timeout: float = 300.0, args: tuple = ()) -> list[Any]:
+def launch(
+    target: str,
+    world_size: int,
+    out_dir: Path,
+    *,
+    timeout: float = 300.0,
+    args: tuple = (),
+    local_world_size: int | None = None,
+) -> list[Any]:
     """Run ``target`` (``"path/to/file.py:function"``) on ``world_size`` ranks; return each rank's result.
 
     The function is called as ``function(*args)`` inside a rank whose environment is torchrun's
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); it returns a ``torch.save``-able value.
     Any rank failing, or the whole launch taking over ``timeout`` seconds, fails with every rank's
-    stderr in the message.
+    stderr in the message. ``local_world_size`` emulates several nodes on this machine (ranks are
+    grouped into "nodes" of that many, with LOCAL_RANK counting within the node).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
+    per_node = local_world_size or world_size
     for rank in range(world_size):
         env = {
             **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(rank // per_node),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",

@@ -18,11 +18,13 @@ from .accelerate import accelerate
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig
 from .consolidate import consolidate, reshard_checkpoint
+from .grad import clip_grad_norm_
 from .hf import export_hf
 from .materialize import init_empty_weights
 from .optim_state import load_optim_state_dict, optim_state_dict
 from .precision import GradScaler
 from .serialization import load, save
+from .strategy import FSDP2Strategy
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,8 @@ __all__ = [
     "accelerate",
     "init_empty_weights",
     "GradScaler",
+    "clip_grad_norm_",
+    "FSDP2Strategy",
     "save",
     "load",
     "optim_state_dict",

@@ -113,6 +113,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     pattern: str = MODEL_PATTERN,
     verify: bool = True,
+    overwrite: bool = False,
 ) -> str:
     """Write ``src``'s weights and the model config as a directory ``from_pretrained`` loads.
 
@@ -125,12 +126,14 @@ def export_hf(
         max_shard_size: bytes, or a string such as ``"5GB"``; larger exports are split with an index file.
         pattern: the shard file glob inside a ``src`` directory.
         verify: check shard checksums first.
+        overwrite: replace an existing ``output_dir`` (only once the new one is complete).
 
     Returns:
         ``output_dir``.
 
     Raises:
-        ValueError: ``output_dir`` is not empty, ``src`` is not recognised, or any shard-set problem.
+        ValueError: ``output_dir`` is not empty (without ``overwrite``), ``src`` is not recognised, or a
+            shard-set problem.
 
     Example:
         >>> torchacc.export_hf("ckpt/", "gpt2-hf", model)  # then AutoModelForCausalLM.from_pretrained("gpt2-hf")
@@ -138,7 +141,7 @@ def export_hf(
     from transformers import AutoConfig, PretrainedConfig
 
     output_dir = os.fspath(output_dir)
-    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
+    if not overwrite and os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
         raise ValueError(f"output_dir {output_dir!r} exists and is not empty; choose a new directory or remove it")
     config = getattr(config_or_model, "config", config_or_model)
     if not isinstance(config, PretrainedConfig):
@@ -168,8 +171,12 @@ def export_hf(
             with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         if os.path.isdir(output_dir):
-            os.rmdir(output_dir)
-        os.replace(staging, output_dir)
+            old = f"{staging}.old"
+            os.replace(output_dir, old)
+            os.replace(staging, output_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output_dir

@@ -199,6 +199,11 @@ def materialize(
         if init_from is None:
             hf_init = _hf_init(model)
             if hf_init is not None:
+                # HF marks modules initialized when post_init() ran on meta tensors (a no-op); unmark them so
+                # init_weights() really initializes the materialized shards.
+                for obj in [*model.modules(), *model.parameters()]:
+                    if getattr(obj, "_is_hf_initialized", False):
+                        obj._is_hf_initialized = False
                 hf_init()
             else:
                 for module in model.modules():

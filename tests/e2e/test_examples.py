@@ -36,3 +36,28 @@ def test_gpt2_example_runs_as_one_process_without_torchrun():
     first, last, ranks = final_losses(run([sys.executable, str(EXAMPLE), "--steps", "8"]))
     assert ranks == 1
     assert last < first
+
+
+def test_strategy_loop_trains_rotates_resumes_and_exports(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "examples" / "strategy_loop.py"),
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "3",
+    ]
+    first = run(cmd)
+    assert "starting from scratch" in first and "done at step 3" in first
+    assert "checkpoints: ['global_step2', 'global_step3', 'latest']" in first
+    second = run(cmd)
+    assert "resumed from global_step3" in second and "done at step 6" in second
+    losses = [float(line.split()[3]) for line in (first + second).splitlines() if line.startswith("step ")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.n_layer == 2

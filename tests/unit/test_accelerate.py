@@ -177,3 +177,13 @@ def test_grad_scaler_skips_an_overflowing_step_in_one_process():
     scaler.step(optimizer)
     scaler.update()
     assert torch.equal(model.head.weight, before) and scaler.get_scale() == 4.0
+
+
+def test_meta_gpt2_gets_the_hf_init_distribution():
+    with torchacc.init_empty_weights():
+        model = tiny_gpt2()
+    model = torchacc.accelerate(model)
+    weight = model.transformer.h[0].attn.c_attn.weight.detach()
+    assert abs(weight.std().item() - model.config.initializer_range) < 0.002
+    assert torch.all(model.transformer.h[0].ln_1.weight == 1)
+    assert model.lm_head.weight is model.transformer.wte.weight

@@ -1,0 +1,174 @@
+"""FSDP2Strategy code run inside each rank (see tests/_launch.py); assertions live in test_strategy.py."""
+
+import itertools
+import os
+import resource
+import threading
+
+import torch
+from _models import tiny_gpt2, token_dataset
+from scenarios import full_state
+from torch.utils.data import DataLoader
+
+import torchacc
+
+MICRO, TRAIN = 2, 8
+
+
+def make_strategy(sharding: str, **kwargs) -> torchacc.FSDP2Strategy:
+    config = torchacc.Config()
+    config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    config.dist.timeout = 120.0
+    strategy = torchacc.FSDP2Strategy(
+        config, sharding_strategy=sharding, micro_train_batch_size=MICRO, train_batch_size=TRAIN, seed=0, **kwargs
+    )
+    strategy.setup_environment()
+    return strategy
+
+
+def train(strategy, model, optimizer, micro_batches) -> dict:
+    losses, indices, norms = [], [], []
+    for i, batch in enumerate(micro_batches):
+        loss = strategy.training_step({"input_ids": batch["input_ids"], "labels": batch["labels"]}, i)
+        strategy.backward(loss, model, optimizer)
+        norm = strategy.optimizer_step(optimizer, model)
+        losses.append(loss.item())
+        indices.append(batch["index"].tolist())
+        if norm is not None:
+            norms.append(norm)
+    return {"losses": losses, "indices": indices, "norms": norms}
+
+
+def parity(sharding: str, **kwargs) -> dict:
+    strategy = make_strategy(sharding, max_norm=0.05, **kwargs)
+    model = strategy.parallelize(tiny_gpt2(seed=torchacc.dist.rank()))
+    loader = strategy.process_dataloader(DataLoader(token_dataset(64), batch_size=MICRO))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = 3 * strategy.accumulation_steps
+    result = train(strategy, model, optimizer, itertools.islice(loader, steps))
+    result.update(
+        state=full_state(model), accumulation_steps=strategy.accumulation_steps, mesh=str(strategy.device_mesh)
+    )
+    return result
+
+
+def two_rank_suite(out: str) -> dict:
+    results = {s: parity(s) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    results["deferred"] = deferred_restore(out)
+    results["rotation"] = rotation_and_export(out)
+    results["meta_memory"] = meta_memory()
+    return results
+
+
+def hybrid_suite() -> dict:
+    return {
+        "HYBRID_SHARD": parity("HYBRID_SHARD"),
+        "HYBRID_DEFER": parity("HYBRID_SHARD", defer_replica_all_reduce=True),
+    }
+
+
+def deferred_restore(out: str) -> dict:
+    """4 steps straight vs 2 steps, a full checkpoint, a fresh strategy that defers the optimizer restore, 2 more."""
+
+    def fresh():
+        strategy = make_strategy("FULL_SHARD")
+        model = strategy.parallelize(tiny_gpt2(seed=0))
+        loader = strategy.process_dataloader(DataLoader(token_dataset(64), batch_size=MICRO))
+        return strategy, model, loader, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    steps = 2 * (TRAIN // (MICRO * torchacc.dist.world_size()))
+    strategy, model, loader, optimizer = fresh()
+    straight = train(strategy, model, optimizer, itertools.islice(loader, 2 * steps))
+    straight_state = full_state(model)
+
+    strategy, model, loader, optimizer = fresh()
+    first = train(strategy, model, optimizer, itertools.islice(loader, steps))
+    path = os.path.join(out, "full.pth")
+    strategy.save_checkpoint(
+        {
+            "state_dict": strategy.model_state_dict(),
+            "optimizer": torchacc.optim_state_dict(model, optimizer, full=True),
+        },
+        path,
+    )
+    strategy, model, loader, optimizer = fresh()
+    checkpoint = strategy.load_checkpoint(path)
+    strategy.load_optimizer_state_dict(checkpoint)
+    second = train(strategy, model, optimizer, itertools.islice(loader, steps, 2 * steps))
+    return {
+        "losses_equal": straight["losses"] == first["losses"] + second["losses"],
+        "state_equal": all(torch.equal(v, straight_state[k]) for k, v in full_state(model).items()),
+    }
+
+
+def rotation_and_export(out: str) -> dict:
+    strategy = make_strategy("FULL_SHARD")
+    model = strategy.parallelize(tiny_gpt2(seed=0))
+    loader = strategy.process_dataloader(DataLoader(token_dataset(64), batch_size=MICRO))
+    optimizer = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.1)
+    save_dir = os.path.join(out, "rotating")
+    batches = iter(loader)
+    for _ in range(4):
+        train(strategy, model, optimizer, itertools.islice(batches, strategy.accumulation_steps))
+        strategy.save_ckpt(model, save_dir, max_num=2, client_state={"note": strategy.global_step}, optimizer=optimizer)
+    kept = sorted(os.listdir(save_dir))
+    expected = full_state(model)
+    next_batch = next(batches)["index"].tolist()
+
+    strategy2 = make_strategy("FULL_SHARD")
+    model2 = strategy2.parallelize(tiny_gpt2(seed=1))
+    loader2 = strategy2.process_dataloader(DataLoader(token_dataset(64), batch_size=MICRO))
+    optimizer2 = strategy2.create_optimizer(model2, lr=1e-3, weight_decay=0.1)
+    path, client_state = strategy2.load_ckpt(model2, save_dir, optimizer=optimizer2)
+    resumed_equal = all(torch.equal(v, expected[k]) for k, v in full_state(model2).items())
+    strategy2.save_model(model2, None, os.path.join(out, "hf"))
+    return {
+        "kept": kept,
+        "loaded": os.path.basename(path),
+        "client_state": client_state,
+        "global_step": strategy2.global_step,
+        "resumed_equal": resumed_equal,
+        "same_next_batch": next(iter(loader2))["index"].tolist() == next_batch,
+        "groups": [(len(g["params"]), g["weight_decay"]) for g in optimizer2.param_groups],
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def meta_memory() -> dict:
+    """Peak RSS growth while building and parallelizing a 64M-parameter model on the meta device."""
+
+    def build():
+        return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(16)])
+
+    model_bytes = 16 * 2048 * 2048 * 4
+    strategy = torchacc.FSDP2Strategy(sharding_strategy="FULL_SHARD", seed=0)
+    strategy.config.dist.fsdp.wrap_layer_cls = {"Linear"}
+    strategy.setup_environment()
+    torchacc.dist.barrier()
+    base, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            done.wait(0.002)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    with strategy.init_model_context():
+        model = build()
+    model = strategy.parallelize(model)
+    done.set()
+    thread.join()
+    local = sum(p.to_local().numel() * 4 for p in model.parameters())
+    std = model[0].weight.full_tensor().std().item()
+    return {
+        "growth": max(peak[0], _rss_bytes()) - base,
+        "model_bytes": model_bytes,
+        "local_bytes": local,
+        "std": std,
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }

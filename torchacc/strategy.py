@@ -1,0 +1,402 @@
+"""``FSDP2Strategy``: the step-by-step API for frameworks and custom trainers.
+
+It is a thin shell over the functions ``accelerate()`` uses (``torchacc/engine.py`` for the model,
+``shard_dataloader`` for data, ``clip_grad_norm_``, the checkpoint modules): one code path. The
+checkpoint methods live in ``StrategyCheckpointMixin`` (``torchacc/strategy_checkpoint.py``).
+"""
+
+import contextlib
+import copy
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from ._logging import warn_once
+from .config import Config
+from .data import ShardedDataLoader, shard_dataloader
+from .dist import collectives, env
+from .engine import make_mesh, plan_model, shard_model
+from .grad import clip_grad_norm_
+from .materialize import init_empty_weights
+from .optim_state import load_optim_state_dict
+from .strategy_checkpoint import StrategyCheckpointMixin
+
+__all__ = ["FSDP2Strategy"]
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+class FSDP2Strategy(StrategyCheckpointMixin):
+    """Drive FSDP2 training step by step: set up, parallelize, then train with explicit step calls.
+
+    Args:
+        config: a ``torchacc.Config``; the keyword arguments below override it.
+        data_parallel_size: ``"auto"`` (the world size) or the world size itself.
+        tensor_parallel_size: ``"auto"`` or 1; tensor parallelism is not part of torchacc.
+        sharding_strategy: ``"FULL_SHARD"`` (reshard after forward), ``"SHARD_GRAD_OP"`` (keep parameters
+            gathered between forward and backward), ``"NO_SHARD"`` (DDP), ``"HYBRID_SHARD"`` (shard inside a
+            node, replicate across nodes); None keeps ``config``'s layout (FULL_SHARD without a config).
+        mp_policy: a ``MixedPrecisionPolicy``, or ``"bf16"`` / ``"fp16"`` / ``"fp32"``; None keeps ``config.compute``.
+        cpu_offload: keep shards and optimizer state in CPU memory (CUDA runs; ignored with a warning on CPU).
+        activation_checkpointing_policy: class names (or classes) of the layers to checkpoint.
+        parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping.
+        checkpoint_io: an object with ``save_checkpoint(checkpoint, path)``, ``load_checkpoint(path)`` and
+            ``remove_checkpoint(path)`` that replaces the default file handling.
+        state_dict_type: ``"full"`` (one file, written by rank 0) or ``"sharded"`` (a DCP directory).
+        seed: seeds Python, NumPy and torch on every rank in ``setup_environment``.
+        max_norm: clip gradients to this global norm in ``optimizer_step`` (0 disables clipping).
+        micro_train_batch_size: samples per rank per forward.
+        train_batch_size: samples per optimizer step over all ranks; the accumulation steps are
+            ``train_batch_size // (micro_train_batch_size * data-parallel world size)``. None: no accumulation
+            (``micro_train_batch_size`` times the world size).
+        loss_fn: ``fn(model, batch) -> loss``; default ``model(**batch).loss`` (Hugging Face models).
+        defer_replica_all_reduce: with HYBRID_SHARD, reduce-scatter every micro-step but all-reduce across
+            replicas only on the last one (less communication, gradients held a little longer).
+
+    Raises:
+        ValueError: an unknown sharding strategy or state dict type, a tensor parallel size other than 1,
+            batch sizes that do not divide (at ``setup_environment``), a negative ``max_norm``.
+
+    Example:
+        >>> strategy = torchacc.FSDP2Strategy(train_batch_size=16, micro_train_batch_size=2, max_norm=1.0)
+        >>> strategy.setup_environment()
+        >>> with strategy.init_model_context():
+        ...     model = AutoModelForCausalLM.from_config(cfg)
+        >>> model = strategy.parallelize(model)
+    """
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        sharding_strategy: str | None = None,
+        mp_policy: MixedPrecisionPolicy | str | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing_policy: Any = None,
+        parallelize_fn: Callable[..., Any] | None = None,
+        checkpoint_io: Any = None,
+        state_dict_type: str = "full",
+        seed: int = 42,
+        max_norm: float = 0.0,
+        micro_train_batch_size: int = 1,
+        train_batch_size: int | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        defer_replica_all_reduce: bool = False,
+    ) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a torchacc.Config, got {type(config).__name__}")
+        if sharding_strategy is not None and sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"sharding_strategy={sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}")
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
+        if tensor_parallel_size not in ("auto", 1):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size!r}: torchacc does not do tensor parallelism; use 'auto' "
+                "or 1 and scale with data_parallel_size / sharding instead"
+            )
+        if data_parallel_size != "auto":
+            _positive_int("data_parallel_size", data_parallel_size)
+        if isinstance(mp_policy, str) and mp_policy not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"mp_policy={mp_policy!r} must be a MixedPrecisionPolicy or 'bf16', 'fp16', 'fp32'")
+        if max_norm < 0:
+            raise ValueError(f"max_norm={max_norm} must be >= 0 (0 disables clipping)")
+        _positive_int("micro_train_batch_size", micro_train_batch_size)
+        if train_batch_size is not None:
+            _positive_int("train_batch_size", train_batch_size)
+        self.config = copy.deepcopy(config) if config is not None else Config()
+        self.data_parallel_size = data_parallel_size
+        self.sharding_strategy = sharding_strategy or ("FULL_SHARD" if config is None else None)
+        self.mp_policy = mp_policy
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.parallelize_fn = parallelize_fn
+        self.checkpoint_io = checkpoint_io
+        self.state_dict_type = state_dict_type
+        self.seed = seed
+        self.max_norm = max_norm
+        self.micro_train_batch_size = micro_train_batch_size
+        self.train_batch_size = train_batch_size
+        self.loss_fn = loss_fn
+        self.defer_replica_all_reduce = defer_replica_all_reduce
+        self.model: nn.Module | None = None
+        self.dataloader: ShardedDataLoader | None = None
+        self.global_step = 0
+        self._micro_step = 0
+        self._pending_optimizer_state: Any = None
+        self._env: dict[str, Any] | None = None
+
+    # --- environment ---------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        """Start the process group, seed every RNG, and build the device mesh. Call it first, on every rank.
+
+        Raises:
+            ValueError: an invalid layout or batch sizes (the same message on every rank).
+        """
+        world = env.world_size()
+        self._apply_overrides(world)
+        self.config.validate(world)
+        per_step = self.micro_train_batch_size * world
+        if self.train_batch_size is None:
+            self.train_batch_size = per_step
+        if self.train_batch_size % per_step:
+            raise ValueError(
+                f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
+                f"{self.micro_train_batch_size} x data-parallel world size {world} = {per_step}; choose a multiple"
+            )
+        env.init_distributed(timeout=self.config.dist.timeout)
+        random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        with contextlib.suppress(ImportError):
+            import numpy
+
+            numpy.random.seed(self.seed)
+        device = env.device()
+        self._env = {"device": device, "mesh": make_mesh(self.config, world_size=world, device=device)}
+        self.accumulation_steps = self.train_batch_size // per_step
+
+    def _apply_overrides(self, world: int) -> None:
+        if self.data_parallel_size not in ("auto", world):
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} must equal the world size {world} (no tensor "
+                "parallelism); use 'auto'"
+            )
+        fsdp, dist_cfg = self.config.dist.fsdp, self.config.dist
+        if self.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            fsdp.size, dist_cfg.dp.size = world, 1
+            fsdp.reshard_after_forward = self.sharding_strategy == "FULL_SHARD"
+        elif self.sharding_strategy == "NO_SHARD":
+            fsdp.size, dist_cfg.dp.size = 1, world
+        elif self.sharding_strategy == "HYBRID_SHARD":
+            per_node = env.local_world_size()
+            fsdp.size, dist_cfg.dp.size = per_node, world // per_node
+        if isinstance(self.mp_policy, str):
+            self.config.compute.bf16 = self.mp_policy == "bf16"
+            self.config.compute.fp16 = self.mp_policy == "fp16"
+        self.config.memory.offload_params = self.config.memory.offload_params or self.cpu_offload
+        if self.activation_checkpointing_policy:
+            policy = self.activation_checkpointing_policy
+            self.config.memory.gc = True
+            self.config.memory.gc_cls = {c if isinstance(c, str) else c.__name__ for c in policy}
+
+    def _ready(self) -> dict[str, Any]:
+        if self._env is None:
+            raise RuntimeError("the strategy is not set up yet: call strategy.setup_environment() first")
+        return self._env
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+        return self._ready()["device"]
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The FSDP/HSDP mesh (None for NO_SHARD and single-process runs)."""
+        return self._ready()["mesh"]
+
+    @property
+    def world_size(self) -> int:
+        self._ready()
+        return env.world_size()
+
+    @property
+    def global_rank(self) -> int:
+        self._ready()
+        return env.rank()
+
+    @property
+    def local_rank(self) -> int:
+        self._ready()
+        return env.local_rank()
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    # --- model -----------------------------------------------------------------------------------
+
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Build the model inside this block: on the meta device when ``empty_init`` (no memory until
+        ``parallelize`` allocates only this rank's shards), normally otherwise."""
+        return init_empty_weights() if empty_init else contextlib.nullcontext()
+
+    def init_model_context(self, meta_init: bool = True) -> contextlib.AbstractContextManager:
+        """Like ``tensor_init_context(empty_init=meta_init)``; meta initialization by default."""
+        return self.tensor_init_context(empty_init=meta_init)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Build a model that will be sharded: parameters on the meta device, buffers real."""
+        with init_empty_weights():
+            yield
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` (once) and keep it for the step methods; a second call warns and returns it.
+
+        A model built in ``init_model_context()`` is materialized shard by shard on this rank's
+        device and initialized with its own init (or from ``config.dist.fsdp.init_from``).
+        """
+        state = self._ready()
+        if self.model is not None:
+            warn_once("FSDP2Strategy.parallelize() called again: the model is already parallelized; returning it")
+            return self.model
+        plan = plan_model(model, self.config)
+        policy = self.mp_policy if isinstance(self.mp_policy, MixedPrecisionPolicy) else None
+        shard_model(
+            model,
+            self.config,
+            plan,
+            mesh=state["mesh"],
+            device=state["device"],
+            world_size=env.world_size(),
+            parallelize_fn=self.parallelize_fn,
+            mp_policy=policy,
+        )
+        self.model = model
+        return model
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("no model yet: call strategy.parallelize(model) first")
+        return self.model
+
+    def process_dataloader(self, dataloader: torch.utils.data.DataLoader) -> ShardedDataLoader:
+        """Split ``dataloader`` over the data-parallel ranks and deliver batches on the device."""
+        state = self._ready()
+        cfg = self.config.dataloader
+        self.dataloader = shard_dataloader(
+            dataloader,
+            num_replicas=env.world_size(),
+            rank=env.rank(),
+            device=state["device"],
+            shuffle=cfg.shuffle,
+            drop_last=cfg.drop_last,
+            seed=cfg.seed,
+            prefetch=cfg.prefetch,
+            shard=cfg.shard,
+        )
+        return self.dataloader
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        model = self._require_model()
+        if self.loss_fn is not None:
+            return self.loss_fn(model, batch)
+        output = model(**batch) if isinstance(batch, Mapping) else model(batch)
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if loss is None:
+            raise ValueError("the model's output has no .loss; give FSDP2Strategy a loss_fn=fn(model, batch)")
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Forward one micro-batch under the precision policy; returns the loss."""
+        self._set_gradient_sync(self._require_model(), last=(self._micro_step + 1) % self.accumulation_steps == 0)
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The loss of one batch, without gradients."""
+        with torch.no_grad():
+            return self._loss(batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """As ``validation_step``."""
+        return self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """The model's outputs for one batch, without gradients."""
+        model = self._require_model()
+        with torch.no_grad():
+            return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Backward of one micro-step; gradients are synchronized only on the last one of an accumulation."""
+        self._ready()
+        self._micro_step += 1
+        self._set_gradient_sync(model, last=self._micro_step % self.accumulation_steps == 0)
+        (loss / self.accumulation_steps).backward()
+
+    def _set_gradient_sync(self, model: nn.Module, *, last: bool) -> None:
+        # Set before the forward as well as before the backward: DDP reads the flag in its forward
+        # hook, FSDP2 in its backward hooks.
+        hsdp = isinstance(model, FSDPModule) and self.device_mesh is not None and self.device_mesh.ndim == 2
+        if self.defer_replica_all_reduce and hsdp:
+            model.set_requires_all_reduce(last)
+        elif hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(last)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module, scheduler: Any = None) -> float | None:
+        """Step after the last micro-step of an accumulation: restore deferred state, clip, step, zero.
+
+        Returns:
+            The global gradient norm before clipping (a float, the same on every rank) when ``max_norm`` is
+            set and a step was taken; None otherwise.
+        """
+        if self._micro_step % self.accumulation_steps:
+            return None
+        if self._pending_optimizer_state is not None:
+            load_optim_state_dict(model, optimizer, self._pending_optimizer_state)
+            self._pending_optimizer_state = None
+        norm = clip_grad_norm_(model.parameters(), self.max_norm) if self.max_norm > 0 else None
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return norm
+
+    def create_optimizer(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        **kwargs: Any,
+    ) -> torch.optim.AdamW:
+        """AdamW over ``model``'s trainable parameters, grouped by weight decay and dtype.
+
+        Matrices (``dim >= 2``: linear and embedding weights) decay; biases and norm weights do not.
+        """
+        groups: dict[tuple[bool, torch.dtype], list[nn.Parameter]] = {}
+        for param in model.parameters():
+            if param.requires_grad:
+                groups.setdefault((param.dim() >= 2, param.dtype), []).append(param)
+        param_groups = [
+            {"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], str(kv[0][1])))
+        ]
+        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **kwargs)
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (a named rendezvous when ``name`` is given)."""
+        if name is None:
+            collectives.barrier()
+        else:
+            collectives.rendezvous(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank."""
+        return collectives.broadcast(obj, src=src)
+
+    def reduce(self, tensor: torch.Tensor | float, reduce_op: str = "mean") -> torch.Tensor | float:
+        """All-reduce a copy of ``tensor`` (or a number) with ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        return collectives.reduce(tensor, op=reduce_op)
+
+    def teardown(self) -> None:
+        """Destroy the process group."""
+        env.teardown()

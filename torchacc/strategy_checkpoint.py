@@ -1,0 +1,242 @@
+"""The checkpoint half of ``FSDP2Strategy``: full or sharded files, rotation, deferred optimizer restore.
+
+All of it is built on ``torchacc.save`` / ``load``, ``save_checkpoint`` / ``load_checkpoint``
+(torch.distributed.checkpoint) and ``export_hf``; nothing here writes bytes its own way.
+"""
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .dist import collectives, env
+from .serialization import load, save
+
+__all__ = ["StrategyCheckpointMixin"]
+
+_STEP_KEY = "__torchacc_global_step__"
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+class StrategyCheckpointMixin:
+    """Checkpoint methods of ``FSDP2Strategy`` (see there for the constructor arguments they read)."""
+
+    model: nn.Module | None
+    state_dict_type: str
+    checkpoint_io: Any
+    cpu_offload: bool
+    global_step: int
+    dataloader: Any
+    _pending_optimizer_state: Any
+
+    def _require_model(self) -> nn.Module:  # provided by FSDP2Strategy
+        raise NotImplementedError
+
+    # --- state dicts -------------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model's state: full CPU tensors on rank 0 (other ranks get ``{}``) for ``state_dict_type="full"``,
+        this rank's DTensor shards for ``"sharded"``. Every rank must call it (full gathers)."""
+        state = self._require_model().state_dict()
+        if self.state_dict_type == "sharded":
+            return state
+        full = {}
+        for key, value in state.items():
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if env.rank() == 0:
+                full[key] = value.detach().cpu()
+        return full
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's name for ``model_state_dict``."""
+        return self.model_state_dict()
+
+    # --- one checkpoint --------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str]) -> None:
+        """Save ``checkpoint`` (e.g. ``{"state_dict": strategy.model_state_dict(), "epoch": 3}``).
+
+        ``"full"``: one file written atomically by rank 0 (DTensors in it are gathered first).
+        ``"sharded"``: a DCP directory every rank writes its shards into. Every rank must call it.
+        """
+        if self.checkpoint_io is not None:
+            if env.rank() == 0 or self.state_dict_type == "sharded":
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+            collectives.barrier()
+            return
+        if self.state_dict_type == "full":
+            save(checkpoint, filepath, master_only=True, global_master=True)
+            return
+        path = os.fspath(filepath)
+        staging = f"{path}.incomplete"
+        if env.rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        collectives.barrier()
+        dcp.save(checkpoint, checkpoint_id=staging)
+        collectives.barrier()
+        if env.rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(staging, path)
+        collectives.barrier()
+
+    def load_checkpoint(self, filepath: str | os.PathLike[str]) -> dict[str, Any]:
+        """Load a checkpoint written by ``save_checkpoint``; its ``"state_dict"`` goes into the model.
+
+        Returns:
+            The checkpoint dict (with ``"state_dict"`` as loaded).
+        """
+        if self.checkpoint_io is not None:
+            checkpoint = self.checkpoint_io.load_checkpoint(filepath)
+        elif os.path.isdir(filepath):
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+            meta = dcp.FileSystemReader(os.fspath(filepath)).read_metadata()
+            top = {path[0] for path in meta.planner_data.values()} - {"state_dict"}
+            checkpoint = _load_state_dict_from_keys(keys=top, checkpoint_id=os.fspath(filepath)) if top else {}
+            if "state_dict" in {path[0] for path in meta.planner_data.values()}:
+                template = {"state_dict": self._require_model().state_dict()}
+                dcp.load(template, checkpoint_id=os.fspath(filepath))
+                checkpoint["state_dict"] = template["state_dict"]
+        else:
+            checkpoint = load(filepath)
+        if "state_dict" in checkpoint and self.model is not None:
+            self.model.load_state_dict(checkpoint["state_dict"])
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        """Delete a checkpoint file or directory (rank 0 deletes; every rank waits)."""
+        if self.checkpoint_io is not None:
+            if env.rank() == 0:
+                self.checkpoint_io.remove_checkpoint(filepath)
+        elif env.rank() == 0:
+            if os.path.isdir(filepath):
+                shutil.rmtree(filepath)
+            elif os.path.exists(filepath):
+                os.remove(filepath)
+        collectives.barrier()
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Keep optimizer state (``checkpoint["optimizer"]`` or the state itself) to restore at the first
+        ``optimizer_step``, once the optimizer exists and before it steps."""
+        self._pending_optimizer_state = checkpoint.get("optimizer", checkpoint)
+
+    # --- rotating checkpoints ----------------------------------------------------------------------
+
+    def save_ckpt(
+        self,
+        model: nn.Module,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        max_num: int = 3,
+        max_mem: float = 1000,
+        client_state: dict[str, Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> str:
+        """Save a sharded checkpoint to ``save_dir/tag`` and keep at most ``max_num`` of them and ``max_mem`` GB.
+
+        The oldest complete checkpoints are removed first, only after the new one is complete, and
+        the newest is never removed. ``tag`` defaults to ``global_step<N>``. The dataloader position
+        of ``process_dataloader``'s loader is saved too.
+
+        Returns:
+            The new checkpoint's path.
+        """
+        extra = {**(client_state or {}), _STEP_KEY: self.global_step}
+        path = save_checkpoint(
+            save_dir,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            dataloader=self.dataloader,
+            extra=extra,
+            tag=tag or f"global_step{self.global_step}",
+        )
+        if env.rank() == 0:
+            self._rotate(os.fspath(save_dir), keep=path, max_num=max_num, max_bytes=max_mem * 1e9)
+        collectives.barrier()
+        return path
+
+    @staticmethod
+    def _rotate(save_dir: str, *, keep: str, max_num: int, max_bytes: float) -> None:
+        complete = [
+            os.path.join(save_dir, name)
+            for name in os.listdir(save_dir)
+            if not name.startswith(".") and os.path.isfile(os.path.join(save_dir, name, ".metadata"))
+        ]
+        complete.sort(key=os.path.getmtime)
+        sizes = {path: _dir_bytes(path) for path in complete}
+        while len(complete) > 1 and (len(complete) > max_num or sum(sizes[p] for p in complete) > max_bytes):
+            oldest = complete.pop(0)
+            if os.path.samefile(oldest, keep):
+                complete.append(oldest)
+                break
+            shutil.rmtree(oldest)
+
+    def load_ckpt(
+        self,
+        model: nn.Module,
+        load_dir: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> tuple[str | None, dict[str, Any]]:
+        """Load the latest complete checkpoint under ``load_dir`` (model, optimizer, scheduler, data position).
+
+        Returns:
+            ``(checkpoint path, client_state)``, or ``(None, {})`` when there is no checkpoint yet.
+        """
+        path = latest_checkpoint(load_dir) if os.path.isdir(load_dir) else None
+        if path is None:
+            return None, {}
+        extra = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=self.dataloader)
+        self.global_step = extra.pop(_STEP_KEY, self.global_step)
+        return path, extra
+
+    # --- export and offload ------------------------------------------------------------------------
+
+    def save_model(self, model: nn.Module, tokenizer: Any, output_dir: str | os.PathLike[str]) -> None:
+        """Write a Hugging Face ``save_pretrained`` directory (safetensors) from the gathered full state.
+
+        Every rank must call it; rank 0 writes. An existing ``output_dir`` is replaced when complete.
+        """
+        from .hf import export_hf
+
+        state = {}
+        for key, value in model.state_dict().items():
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if env.rank() == 0:
+                state[key] = value.detach().cpu()
+        if env.rank() == 0:
+            export_hf(state, output_dir, model, overwrite=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(output_dir)
+        collectives.barrier()
+
+    def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, DTensor):
+                    local = value.to_local().to(device, non_blocking=True)
+                    state[key] = DTensor.from_local(
+                        local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+                    )
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+
+    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """With ``cpu_offload`` on a CUDA run, move optimizer state to CPU memory (e.g. during generation)."""
+        if self.cpu_offload and env.device().type == "cuda":
+            self._move_optimizer_state(optimizer, torch.device("cpu"))
+
+    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring optimizer state moved by ``maybe_offload_optimizer`` back to the device."""
+        if self.cpu_offload and env.device().type == "cuda":
+            self._move_optimizer_state(optimizer, env.device())
