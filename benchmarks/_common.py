@@ -165,12 +165,19 @@ def machine_summary() -> dict[str, Any]:
 
 
 def run_torchrun(
-    script: str, args: Sequence[str], *, nproc: int, timeout: float | None = None, echo: bool = True
+    script: str,
+    args: Sequence[str],
+    *,
+    nproc: int,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    echo: bool = True,
 ) -> list[dict[str, Any]]:
     """Run ``script`` on ``nproc`` local ranks with ``torchrun --standalone``; return its ``RESULT`` lines.
 
-    Every rank gets ``OMP_NUM_THREADS=1`` (one compute thread per rank). Lines the ranks print that are
-    not results are echoed to stderr as they come (progress), so stdout keeps only the caller's tables.
+    Every rank gets ``OMP_NUM_THREADS=1`` (one compute thread per rank) and ``env`` on top of this process's
+    environment. Lines the ranks print that are not results are echoed to stderr as they come (progress),
+    so stdout keeps only the caller's tables.
 
     Raises:
         RuntimeError: a rank failed or the run took over ``timeout`` seconds; the message holds the output tail.
@@ -178,8 +185,8 @@ def run_torchrun(
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     timer = threading.Timer(timeout, proc.kill) if timeout else None
     if timer:
         timer.start()

@@ -2,8 +2,9 @@
 
 Run (from the repository root)::
 
-    .venv/bin/python benchmarks/memory.py            # full: a 209M-parameter GPT-2 (3.3 GB of state), ~3 min
-    .venv/bin/python benchmarks/memory.py --quick    # smoke run: a 5M-parameter GPT-2, < 60 s
+    .venv/bin/python benchmarks/memory.py                # full: a 209M-param GPT-2 (3.3 GB of state), ~5 min
+    .venv/bin/python benchmarks/memory.py --vocab 8192   # the same blocks with a small vocabulary (176M params)
+    .venv/bin/python benchmarks/memory.py --quick        # smoke run: a 5M-parameter GPT-2, < 60 s
 
 Each configuration is one ``torchrun`` job (``OMP_NUM_THREADS=1`` per rank) on the CPU with gloo:
 
@@ -21,10 +22,16 @@ kernel's peak-RSS counter is reset (``/proc/self/clear_refs`` = 5) and the train
 "training peak" is ``VmHWM`` after them (exact), cross-checked by ``VmRSS`` polled every 2 ms in a
 thread. Both are per rank (the largest rank is shown) minus the baseline rank's value.
 
+Every configuration runs under two malloc settings (``--allocator``): ``glibc`` (the default, what a user
+gets) and ``mmap64k`` (``MALLOC_MMAP_THRESHOLD_=65536``: every block of 64 KiB or more is its own mapping and
+goes back to the kernel when freed). glibc's default raises its mmap threshold up to 32 MiB as big blocks are
+freed, after which FSDP's per-unit all-gather/reduce-scatter buffers come from the heap and the freed space
+stays resident; ``mmap64k`` shows what the tensors themselves need.
+
 Theory for fp32 AdamW: 16 bytes per parameter (param 4 + grad 4 + exp_avg 4 + exp_avg_sq 4) divided by
 N, plus, when sharded, one unsharded FSDP unit (the largest unit's full parameters and gradients,
 8 bytes per parameter, during its forward/backward). Activations are not in the theory: the batch is
-kept small (``--batch 1 --seq 128``) so they stay a few percent of the state.
+kept small (``--batch 1 --seq 64``) so they stay a few percent of the state.
 """
 
 import argparse
@@ -38,12 +45,12 @@ from typing import Any
 from _common import (
     GB,
     MemorySampler,
+    emit_result,
     gpt2_model,
     machine_summary,
     malloc_trim,
     markdown_table,
     num_params,
-    emit_result,
     random_tokens,
     read_status,
     reset_peak_rss,
@@ -53,9 +60,10 @@ from _common import (
 # (n_layer, n_embd, n_head, vocab): full is GPT-2's vocabulary with 24 layers of width 768 (GPT-2 medium depth).
 FULL_MODEL = (24, 768, 12, 50257)
 QUICK_MODEL = (4, 256, 4, 8192)
-# (kind, world size): run in this order.
+# (kind, world size): run in this order, once per allocator setting.
 RUNS = (("baseline", 1), ("fsdp", 1), ("baseline", 2), ("fsdp", 2), ("dp", 2))
 LABELS = {"fsdp": "torchacc FSDP", "dp": "torchacc DP (replicated)"}
+ALLOCATORS = {"glibc": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 BYTES_STATE = 16  # fp32 AdamW: param, grad, exp_avg, exp_avg_sq
 BYTES_UNIT = 8  # an unsharded unit: full params and full grads
@@ -80,8 +88,8 @@ def worker(args: argparse.Namespace) -> None:
 
     torchacc.dist.init_distributed()
     rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
-    n_layer, n_embd, n_head, vocab = QUICK_MODEL if args.quick else FULL_MODEL
-    result: dict[str, Any] = {"kind": args.kind, "world": world, "rank": rank}
+    n_layer, n_embd, n_head, vocab = model_shape(args)
+    result: dict[str, Any] = {"kind": args.kind, "world": world, "rank": rank, "allocator": args.allocator}
     if args.kind == "baseline":
         torchacc.dist.barrier()
     else:
@@ -126,6 +134,11 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def model_shape(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    n_layer, n_embd, n_head, vocab = QUICK_MODEL if args.quick else FULL_MODEL
+    return n_layer, n_embd, n_head, args.vocab or vocab
+
+
 def theory(params: int, units: dict[str, int], world: int, kind: str) -> tuple[float, float]:
     """(state bytes per rank, unsharded-unit bytes) for fp32 AdamW."""
     if kind == "fsdp" and world > 1:
@@ -134,47 +147,53 @@ def theory(params: int, units: dict[str, int], world: int, kind: str) -> tuple[f
 
 
 def summarize(results: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    baseline = {
-        w: max(r["train_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w)
-        for w in {r["world"] for r in results}
-    }
-    baseline_sampled = {
-        w: max(r["train_sampled"] for r in results if r["kind"] == "baseline" and r["world"] == w) for w in baseline
-    }
-    baseline_setup = {
-        w: max(r["setup_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w) for w in baseline
-    }
+    def peak(rows: list[dict[str, Any]], key: str) -> int:
+        return max(r[key] for r in rows)
+
     rows, points = [], []
-    for kind, world in RUNS:
-        ranks = [r for r in results if r["kind"] == kind and r["world"] == world]
-        if kind == "baseline" or not ranks:
-            continue
-        params, units = ranks[0]["params"], ranks[0]["units"]
-        state, unit = theory(params, units, world, kind)
-        measured = max(r["train_hwm"] for r in ranks) - baseline[world]
-        sampled = max(r["train_sampled"] for r in ranks) - baseline_sampled[world]
-        setup = max(r["setup_hwm"] for r in ranks) - baseline_setup[world]
-        diff = (measured - (state + unit)) / (state + unit)
-        rows.append(
-            [
-                LABELS[kind],
-                world,
-                f"{params / 1e6:.1f}M",
-                f"{state / GB:.3f}",
-                f"{unit / GB:.3f}",
-                f"{(state + unit) / GB:.3f}",
-                f"{measured / GB:.3f}",
-                f"**{diff:+.1%}**",
-                f"{sampled / GB:.3f}",
-                f"{setup / GB:.3f}",
-            ]
-        )
-        points.append({"kind": kind, "world": world, "theory": state + unit, "measured": measured, "diff": diff})
+    for allocator in dict.fromkeys(r["allocator"] for r in results):
+        for kind, world in RUNS:
+            ranks = [r for r in results if (r["allocator"], r["kind"], r["world"]) == (allocator, kind, world)]
+            base = [r for r in results if (r["allocator"], r["kind"], r["world"]) == (allocator, "baseline", world)]
+            if kind == "baseline" or not ranks:
+                continue
+            params, units = ranks[0]["params"], ranks[0]["units"]
+            state, unit = theory(params, units, world, kind)
+            measured = peak(ranks, "train_hwm") - peak(base, "train_hwm")
+            sampled = peak(ranks, "train_sampled") - peak(base, "train_sampled")
+            setup = peak(ranks, "setup_hwm") - peak(base, "setup_hwm")
+            diff = (measured - (state + unit)) / (state + unit)
+            rows.append(
+                [
+                    allocator,
+                    LABELS[kind],
+                    world,
+                    f"{params / 1e6:.1f}M",
+                    f"{state / GB:.3f}",
+                    f"{unit / GB:.3f}",
+                    f"{(state + unit) / GB:.3f}",
+                    f"{measured / GB:.3f}",
+                    f"**{diff:+.1%}**",
+                    f"{sampled / GB:.3f}",
+                    f"{setup / GB:.3f}",
+                ]
+            )
+            points.append(
+                {
+                    "allocator": allocator,
+                    "kind": kind,
+                    "world": world,
+                    "theory": state + unit,
+                    "measured": measured,
+                    "diff": diff,
+                }
+            )
     headers = [
+        "malloc",
         "config",
         "N",
         "params",
-        "theory 16P/N (GB)",
+        "16P/N (GB)",
         "+ unit (GB)",
         "theory (GB)",
         "training peak (GB)",
@@ -193,9 +212,9 @@ def plot(points: list[dict[str, Any]], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    labels = [f"{LABELS[p['kind']]}\nN={p['world']}" for p in points]
+    labels = [f"{LABELS[p['kind']].replace('torchacc ', '')}\nN={p['world']}\n{p['allocator']}" for p in points]
     xs = range(len(points))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(points)), 4.8))
     ax.bar([x - 0.2 for x in xs], [p["theory"] / GB for p in points], 0.4, label="theory (16P/N + unit)")
     ax.bar([x + 0.2 for x in xs], [p["measured"] / GB for p in points], 0.4, label="measured peak RSS - baseline")
     ax.set_xticks(list(xs), labels)
@@ -214,12 +233,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small model (< 60 s)")
     p.add_argument("--steps", type=int, default=2, help="training steps")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--no-dp", action="store_true", help="skip the replicated (DP) contrast run")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: GPT-2's 50257; quick 8192)")
+    p.add_argument(
+        "--allocator",
+        choices=(*ALLOCATORS, "both"),
+        default=None,
+        help="malloc setting(s) to measure under (default: both; quick: glibc)",
+    )
+    p.add_argument("--no-dp", action="store_true", help="skip the replicated (DP) contrast run (quick skips it)")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.allocator = args.allocator or ("glibc" if args.quick else "both")
+    args.no_dp = args.no_dp or args.quick
+    return args
 
 
 def main() -> None:
@@ -227,17 +256,20 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    passed = [a for a in sys.argv[1:] if a != "--worker"]
+    passed = [a for a in sys.argv[1:] if a not in ("--worker", "--allocator", *ALLOCATORS, "both")]
+    allocators = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
     started = time.monotonic()
     results = []
-    for kind, world in RUNS:
-        if kind == "dp" and args.no_dp:
-            continue
-        print(f"running {kind} on {world} rank(s)...", file=sys.stderr, flush=True)
-        results += run_torchrun(os.path.abspath(__file__), [*passed, "--worker", "--kind", kind], nproc=world)
+    for allocator in allocators:
+        for kind, world in RUNS:
+            if kind == "dp" and args.no_dp:
+                continue
+            print(f"running {kind} on {world} rank(s), malloc {allocator}...", file=sys.stderr, flush=True)
+            cmd = [*passed, "--worker", "--kind", kind, "--allocator", allocator]
+            results += run_torchrun(os.path.abspath(__file__), cmd, nproc=world, env=ALLOCATORS[allocator])
     table, points = summarize(results)
     info = machine_summary()
-    n_layer, n_embd, n_head, vocab = QUICK_MODEL if args.quick else FULL_MODEL
+    n_layer, n_embd, n_head, vocab = model_shape(args)
     print(
         f"\n## Per-rank training memory: GPT-2 (n_layer {n_layer}, n_embd {n_embd}, vocab {vocab}), fp32 AdamW, "
         f"CPU/gloo (batch {args.batch}, seq {args.seq}, {args.steps} steps)\n"
@@ -246,14 +278,13 @@ def main() -> None:
         f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
         f"wall {time.monotonic() - started:.0f} s\n"
     )
-    print("Peaks are per rank (the largest rank) minus the empty baseline rank of the same world size.\n")
+    print("Peaks are per rank (the largest rank) minus the empty baseline rank of the same world size and malloc.\n")
     print(table)
     first = next(r for r in results if r["kind"] != "baseline")
-    base = {w: max(r["train_hwm"] for r in results if r["kind"] == "baseline" and r["world"] == w) for w in (1, 2)}
+    base = [r for r in results if r["kind"] == "baseline"]
     print(
-        f"\nunits (params): {first['units']}; baseline peak RSS: "
-        + ", ".join(f"N={w}: {b / GB:.3f} GB" for w, b in base.items())
-        + f"; malloc_trim: {all(r['trimmed'] for r in results)}, peak reset: {all(r['hwm_reset'] for r in results)}"
+        f"\nunits (params): {first['units']}; baseline peak RSS {min(r['train_hwm'] for r in base) / GB:.3f}-"
+        f"{max(r['train_hwm'] for r in base) / GB:.3f} GB; peak reset: {all(r['hwm_reset'] for r in results)}"
     )
     os.makedirs(OUT_DIR, exist_ok=True)
     with open(os.path.join(OUT_DIR, "memory.json"), "w") as f:

@@ -35,12 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 from _common import (
+    emit_result,
     gpt2_model,
     machine_summary,
     markdown_table,
     median,
     num_params,
-    emit_result,
     process_group_backend,
     random_tokens,
     run_torchrun,
@@ -132,6 +132,17 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_steps(model: Any, optimizer: Any, batches: Any, move: Callable[[Any], Any], num_steps: int) -> float:
+    """``num_steps`` training steps; the last loss (``.item()``, which waits for the device), or nan for none."""
+    loss = None
+    for _ in range(num_steps):
+        loss = model(**move(next(batches))).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return float("nan") if loss is None else loss.item()
+
+
 def measure(contender: str, size: tuple[int, int, int, int], args: argparse.Namespace, device: Any, gloo: Any) -> dict:
     """Train ``contender`` for ``warmup + steps`` steps; the timed part's tokens/s (all ranks) and last loss."""
     import torch
@@ -150,24 +161,12 @@ def measure(contender: str, size: tuple[int, int, int, int], args: argparse.Name
     model, loader, move = SETUPS[contender](model, dataset, args.batch, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = iter(loader)
-
-    def step() -> torch.Tensor:
-        batch = move(next(batches))
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    for _ in range(args.warmup):
-        step()
+    run_steps(model, optimizer, batches, move, args.warmup)
     _sync(device)
     if contender != "single":
         dist.barrier(group=gloo)
     start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    last_loss = loss.item()
+    last_loss = run_steps(model, optimizer, batches, move, steps)
     _sync(device)
     elapsed = time.perf_counter() - start
     if contender == "single":

@@ -42,6 +42,22 @@ def launch(
     stderr in the message. ``local_world_size`` emulates several nodes on this machine (ranks are
     grouped into "nodes" of that many, with LOCAL_RANK counting within the node).
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(target, world_size, out_dir, timeout, args, local_world_size)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(AssertionError):
+    """Another process took the free port between our probe and the rendezvous; try another one."""
+
+
+def _launch_once(
+    target: str, world_size: int, out_dir: Path, timeout: float, args: tuple, local_world_size: int | None
+) -> list[Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -78,5 +94,7 @@ def launch(
         logs = "\n".join(
             f"--- rank {r} (exit {code}) ---\n{(out_dir / f'rank{r}.log').read_text()[-4000:]}" for r, code in failed
         )
+        if "address already in use" in logs.lower() or "EADDRINUSE" in logs:
+            raise _PortTaken(logs)
         raise AssertionError(f"{target} failed on {len(failed)} of {world_size} ranks:\n{logs}")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

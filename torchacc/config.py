@@ -82,8 +82,8 @@ class FSDPConfig(Node):
     """Class names of the layers that each become one FSDP unit, e.g. {"GPT2Block"}; the root is wrapped last."""
     reshard_after_forward: bool | int = True
     """Free gathered parameters after forward and gather again in backward (less memory, more communication);
-    False keeps them until backward; an int N reshards to groups of N ranks (a divisor of dist.fsdp.size, e.g.
-    the ranks of one node), so the backward all-gather stays inside them."""
+    False keeps them until backward; an int N reshards to groups of N ranks (a divisor of dist.fsdp.size other
+    than 1 and the size itself, e.g. the ranks of one node), so the backward all-gather stays inside them."""
     forward_prefetch: int = 0
     """All-gather the next N units' parameters during forward (explicit prefetching); 0 keeps FSDP2's default."""
     backward_prefetch: int = 0
@@ -212,10 +212,11 @@ class Config(Node):
                 "'float16'"
             )
         raf = d.fsdp.reshard_after_forward
-        if not isinstance(raf, bool) and (raf < 1 or fsdp % raf):
+        if not isinstance(raf, bool) and not (1 < raf < fsdp and fsdp % raf == 0):
+            choices = [n for n in range(2, fsdp) if fsdp % n == 0]
             raise ValueError(
-                f"dist.fsdp.reshard_after_forward={raf} must divide dist.fsdp.size={fsdp}; use True, False or a "
-                f"divisor of {fsdp} (the ranks of one node)"
+                f"dist.fsdp.reshard_after_forward={raf} must be True, False or a divisor of dist.fsdp.size={fsdp} "
+                f"other than 1 and {fsdp} (e.g. the ranks of one node); possible values: {choices or 'none'}"
             )
         if m.gc and not m.gc_cls and not d.fsdp.wrap_layer_cls:
             raise ValueError(

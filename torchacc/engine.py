@@ -147,17 +147,19 @@ def shard_model(
         dtype = mp_policy.param_dtype
     if not plan.meta:
         model.to(device)
+    offload = None
+    if config.memory.offload_params:
+        if device.type == "cuda" and mesh is not None:
+            offload = CPUOffloadPolicy()
+        elif device.type == "cuda":
+            warn_once("memory.offload_params=True needs FSDP (dist.fsdp.size > 1); it is ignored without sharding")
+        else:
+            warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
     if mesh is not None:
         if config.dist.fsdp.sync_module_states and not plan.meta:
             broadcast_tensors([*model.parameters(), *model.buffers()])
         reduce_dtype = getattr(torch, config.dist.fsdp.reduce_dtype)
         mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
-        offload = None
-        if config.memory.offload_params:
-            if device.type == "cuda":
-                offload = CPUOffloadPolicy()
-            else:
-                warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
         if parallelize_fn is not None:
             model = parallelize_fn(model, mesh, mp_policy) or model
         else:

@@ -187,3 +187,24 @@ def test_meta_gpt2_gets_the_hf_init_distribution():
     assert abs(weight.std().item() - model.config.initializer_range) < 0.002
     assert torch.all(model.transformer.h[0].ln_1.weight == 1)
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_cpu_offload_is_ignored_with_a_warning_on_cpu(monkeypatch):
+    monkeypatch.setattr(torchacc._logging, "_seen", set())
+    config = torchacc.Config()
+    config.memory.offload_params = True
+    with pytest.warns(UserWarning, match="memory.offload_params=True is ignored on a CPU run"):
+        torchacc.accelerate(TinyNet(), config=config)
+
+
+def test_compile_keeps_keys_and_hooks_and_needs_wrap_classes():
+    config = torchacc.Config()
+    config.compute.compile = True
+    with pytest.raises(ValueError, match="compute.compile=True compiles each dist.fsdp.wrap_layer_cls block"):
+        torchacc.accelerate(TinyNet(), config=config)
+    config.dist.fsdp.wrap_layer_cls = {"Block"}
+    model = TinyNet()
+    keys = list(model.state_dict())
+    model = torchacc.accelerate(model, config=config)
+    assert list(model.state_dict()) == keys
+    assert all("_orig_mod" not in k for k in model.state_dict())

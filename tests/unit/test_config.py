@@ -500,3 +500,39 @@ def test_field_docs_reports_missing_docstrings_and_rejects_non_dataclasses():
     assert field_docs(Partial) == {"documented": "Has one.", "bare": ""}
     with pytest.raises(TypeError, match="field_docs expects a dataclass"):
         field_docs(int)
+
+
+@pytest.mark.parametrize(
+    "attr, value, message",
+    [
+        ("memory.gc_interval", 0, "memory.gc_interval must be >= 1, got 0"),
+        ("dist.fsdp.forward_prefetch", -1, "dist.fsdp.forward_prefetch must be >= 0, got -1"),
+        ("dist.fsdp.backward_prefetch", -2, "dist.fsdp.backward_prefetch must be >= 0, got -2"),
+        ("dist.fsdp.reduce_dtype", "float64", "dist.fsdp.reduce_dtype='float64' is not supported"),
+        ("dist.fsdp.reshard_after_forward", 3, r"reshard_after_forward=3 must be .*possible values: \[2\]"),
+        ("dist.fsdp.reshard_after_forward", 4, r"other than 1 and 4"),
+        ("dist.fsdp.reshard_after_forward", "yes", r"reshard_after_forward: expected bool or int, got 'yes'"),
+    ],
+)
+def test_scale_feature_validation(attr, value, message):
+    config = Config()
+    config.dist.fsdp.size = 4
+    if attr.startswith("memory."):
+        config.memory.gc = True
+        config.dist.fsdp.wrap_layer_cls = {"Block"}
+    *parents, leaf = attr.split(".")
+    node = config
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, leaf, value)
+    with pytest.raises(ValueError, match=message):
+        config.validate(4)
+
+
+def test_reshard_after_forward_accepts_a_node_size():
+    config = Config()
+    config.dist.fsdp.size = 4
+    config.dist.fsdp.reshard_after_forward = 2
+    config.validate(4)
+    assert Config.from_cli(["dist.fsdp.reshard_after_forward=2"]).dist.fsdp.reshard_after_forward == 2
+    assert Config.from_cli(["dist.fsdp.reshard_after_forward=false"]).dist.fsdp.reshard_after_forward is False

@@ -1,0 +1,64 @@
+"""Scale features inside each rank (see tests/_launch.py): prefetch and reshard policies, reduce dtype,
+compile, meta-device init from checkpoints; the assertions live in test_scale.py."""
+
+import torch
+from _models import TinyNet, tiny_gpt2
+from scenarios import full_state, gpt2_config, train_gpt2
+
+import torchacc
+from torchacc import materialize
+
+
+def tinynet_train(**extra) -> dict:
+    """TinyNet on 2-rank FSDP for a few SGD steps; eager and compiled runs are compared."""
+    config = torchacc.Config()
+    config.dist.fsdp.size = torchacc.dist.world_size()
+    config.dist.fsdp.wrap_layer_cls = {"Block"}
+    for key, value in extra.items():
+        section, name = key.split("__")
+        setattr(getattr(config, section), name, value)
+    torch.manual_seed(0)
+    model = torchacc.accelerate(TinyNet(), config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(torchacc.dist.rank()))
+    losses = []
+    for _ in range(4):
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": full_state(model), "keys": sorted(model.state_dict())}
+
+
+def two_rank_suite() -> dict:
+    return {
+        "default": train_gpt2(gpt2_config(fsdp=2)),
+        "prefetch": train_gpt2(gpt2_config(fsdp=2, dist__fsdp__forward_prefetch=1, dist__fsdp__backward_prefetch=2)),
+        "keep_gathered": train_gpt2(gpt2_config(fsdp=2, dist__fsdp__reshard_after_forward=False)),
+        "reduce_bf16": train_gpt2(gpt2_config(fsdp=2, dist__fsdp__reduce_dtype="bfloat16")),
+        "selective_gc": train_gpt2(gpt2_config(fsdp=2, memory__gc=True, memory__gc_interval=2)),
+        "eager": tinynet_train(memory__gc=True),
+        "compiled": tinynet_train(memory__gc=True, compute__compile=True),
+    }
+
+
+def four_rank_suite() -> dict:
+    return {"reshard_to_2": train_gpt2(gpt2_config(fsdp=4, dist__fsdp__reshard_after_forward=2))}
+
+
+def init_from(source: str, mode: str) -> dict:
+    """Build tiny GPT-2 on the meta device and fill it from ``source``; report logits on fixed tokens."""
+    if mode == "rank0_only":
+        # Emulate a file only rank 0 can read: rank 0 sends each tensor, the others keep their slices.
+        materialize._everyone_sees = lambda path: [True] + [False] * (torchacc.dist.world_size() - 1)
+    with torchacc.init_empty_weights():
+        model = tiny_gpt2(seed=123)
+        model.register_buffer("table", torch.arange(4.0), persistent=False)
+    config = gpt2_config(fsdp=2, dist__fsdp__init_from=source)
+    model = torchacc.accelerate(model, config=config)
+    ids = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return {"logits": logits, "table": model.table.clone(), "local_numel": local}

@@ -1,0 +1,38 @@
+"""Smoke tests for the training benchmarks: each script's ``--quick`` mode runs and prints its table."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run_quick(script: str, tmp_path: Path) -> str:
+    env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--plot", str(tmp_path / "plot.png")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, f"{script} --quick failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def _table_rows(stdout: str) -> list[str]:
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|---")), None)
+    assert start is not None, f"no markdown table in the output:\n{stdout}"
+    return [line for line in lines[start + 1 :] if line.startswith("| ")]
+
+
+def test_throughput_quick(tmp_path: Path) -> None:
+    out = _run_quick("throughput.py", tmp_path)
+    assert "(a)/(b)" in out
+    rows = _table_rows(out)
+    assert rows and rows[0].startswith("| L2-E128 |"), out
+
+
+def test_memory_quick(tmp_path: Path) -> None:
+    out = _run_quick("memory.py", tmp_path)
+    assert "vs theory" in out
+    rows = _table_rows(out)
+    assert any("torchacc FSDP | 2 |" in row for row in rows), out
