@@ -27,5 +27,13 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check torchacc tests examples benchmarks
 
+# Full-mode benchmarks (tens of minutes; run on a quiet machine). Figures go in benchmarks/README.md.
+bench: setup
+	$(PY) -m pip install -q -e ".[bench]"
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/capacity.py
+	$(PY) benchmarks/consolidate.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info

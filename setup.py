@@ -14,6 +14,7 @@ setup(
     extras_require={
         "hf": ["transformers", "datasets"],
         "dev": ["pytest", "ruff"],
+        "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torchacc=torchacc.__main__:main"]},
 )

@@ -270,3 +270,32 @@ def emit_result(result: dict[str, Any]) -> None:
     """``print_result`` for a rank sharing stdout with other ranks: the line goes out in one ``write`` (atomic on
     a pipe below 4 KiB), so lines of different ranks never interleave."""
     os.write(1, (RESULT_PREFIX + json.dumps(result) + "\n").encode())
+
+
+# malloc settings a benchmark's ranks can run under: name -> environment. glibc's default raises its mmap
+# threshold (up to 32 MiB) as large blocks are freed, so later blocks below it come from the heap, where freed
+# space stays resident; a fixed threshold (which also turns that off) maps every block above it on its own.
+# jemalloc and tcmalloc are preloaded from the system's libraries (Debian: libjemalloc2, libtcmalloc-minimal4).
+ALLOCATORS: dict[str, dict[str, str]] = {
+    "glibc": {},
+    "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    "mmap4m": {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)},
+    "mmap16m": {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)},
+    "jemalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+    "tcmalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"},
+}
+
+
+def allocator_env(name: str) -> dict[str, str]:
+    """The environment for malloc setting ``name`` (see ``ALLOCATORS``).
+
+    Raises:
+        ValueError: an unknown name, or a preloaded library that is not installed (the message says which package).
+    """
+    if name not in ALLOCATORS:
+        raise ValueError(f"unknown allocator {name!r}; choose from {', '.join(ALLOCATORS)}")
+    library = ALLOCATORS[name].get("LD_PRELOAD")
+    if library and not os.path.exists(library):
+        package = "libjemalloc2" if "jemalloc" in library else "libtcmalloc-minimal4"
+        raise ValueError(f"--allocator {name} needs {library}: apt-get install {package}")
+    return dict(ALLOCATORS[name])

@@ -1,8 +1,8 @@
 """Consolidating a 2-rank checkpoint: torchacc against load-everything, DCP and a plain file copy.
 
-Run (from the repository root; about 15 minutes for the default >= 2 GB checkpoint and 3 rounds)::
+Run (from the repository root; about 10 minutes on 2 cores for the default 2.15 GB checkpoint and 5 rounds)::
 
-    .venv/bin/python benchmarks/consolidate.py            # full: a 2.15 GB GPT-2-like checkpoint, 3 rounds
+    .venv/bin/python benchmarks/consolidate.py            # full: a 2.15 GB GPT-2-like checkpoint, 5 rounds
     .venv/bin/python benchmarks/consolidate.py --quick    # smoke run: a 50 MB checkpoint, 1 round, < 30 s
 
 It writes a synthetic GPT-2-like checkpoint (nanoGPT parameter names; every parameter sharded on dim 0
@@ -12,6 +12,7 @@ fresh subprocess so its peak memory is its own:
 
 * ``torchacc return``:    ``torchacc.consolidate(pattern)`` -- the full state dict returned, nothing written
 * ``torchacc streaming``: ``torchacc.consolidate(pattern, out=..., return_state=False)`` -- what the CLI does
+* ``torchacc streaming no-verify``: the same with ``verify=False`` (``--no-verify``): no CRC-32 pass over the shards
 * ``torchacc return+save``: ``torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(prefix)``
 * ``load-everything``:    ``torch.load`` every shard (no mmap), ``torch.cat`` the pieces, ``torch.save`` (TorchAcc)
 * ``dcp_to_torch_save``:  ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` on the DCP copy
@@ -53,6 +54,7 @@ PATTERN = "rank-*-of-*-model.pth"
 VARIANTS = (
     "torchacc return",
     "torchacc streaming",
+    "torchacc streaming no-verify",
     "torchacc return+save",
     "load-everything",
     "dcp_to_torch_save",
@@ -176,6 +178,8 @@ def child(variant: str, root: str) -> None:
         result = torchacc.consolidate(pattern, return_state=True, progress=False)
     elif variant == "torchacc streaming":
         torchacc.consolidate(pattern, out=out, return_state=False, progress=False)
+    elif variant == "torchacc streaming no-verify":
+        torchacc.consolidate(pattern, out=out, return_state=False, verify=False, progress=False)
     elif variant == "torchacc return+save":
         result = torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(paths["shard_dir"] + "/", save_path=out)
     elif variant == "load-everything":
@@ -226,6 +230,8 @@ def summarize(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[dict[str
                 "variant": variant,
                 "runs": len(mine),
                 "seconds": median(r["seconds"] for r in mine),
+                "seconds_min": min(r["seconds"] for r in mine),
+                "seconds_max": max(r["seconds"] for r in mine),
                 "peak_rss": median(r["peak_rss"] for r in mine),
                 "peak_anon": median(r["peak_anon"] for r in mine),
                 "anon_above_start": median(r["peak_anon"] - r["anon_start"] for r in mine),
@@ -244,6 +250,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     headers = [
         "variant",
         "time s",
+        "min-max s",
         "GB/s",
         "copy speed x",
         "peak RSS GB",
@@ -257,6 +264,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             [
                 f"`{r['variant']}`",
                 f"{r['seconds']:.2f}",
+                f"{r['seconds_min']:.2f}-{r['seconds_max']:.2f}",
                 f"{r['gb_per_s']:.2f}",
                 f"{r['copy_fraction']:.2f}",
                 f"{r['peak_rss'] / GB:.2f}",
@@ -289,7 +297,8 @@ def check_claims(rows: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
         f"{load['anon_over_ckpt']:.2f}x",
         f"{verdict(stream['copy_fraction'] >= 0.7)} torchacc streaming >= 70% of copy speed: "
         f"{stream['copy_fraction']:.0%} ({stream['seconds']:.2f} s vs {by['copy']['seconds']:.2f} s; "
-        f"{by['copy+fsync']['seconds'] / stream['seconds']:.0%} of copy+fsync speed)",
+        f"{by['copy+fsync']['seconds'] / stream['seconds']:.0%} of copy+fsync speed; with verify=False "
+        f"{by['torchacc streaming no-verify']['copy_fraction']:.0%} of copy speed)",
     ]
     for row in (stream, ret):
         ratio = row["peak_rss"] / load["peak_rss"]
@@ -311,8 +320,13 @@ def plot(rows: list[dict[str, Any]], info: dict[str, Any], path: str) -> str | N
         return None
     names = [r["variant"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    left.barh(names, [r["seconds"] for r in rows], color="tab:blue")
-    left.set_xlabel("seconds (median)")
+    medians = [r["seconds"] for r in rows]
+    spread = [
+        [m - r["seconds_min"] for m, r in zip(medians, rows, strict=True)],
+        [r["seconds_max"] - m for m, r in zip(medians, rows, strict=True)],
+    ]
+    left.barh(names, medians, xerr=spread, color="tab:blue", ecolor="gray", capsize=3)
+    left.set_xlabel("seconds (median; whiskers: min and max)")
     left.set_title(f"time to consolidate {info['ckpt_bytes'] / GB:.2f} GB (2 ranks)")
     left.invert_yaxis()
     ys = range(len(rows))
@@ -333,7 +347,7 @@ def plot(rows: list[dict[str, Any]], info: dict[str, Any], path: str) -> str | N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a ~50 MB checkpoint and 1 round (smoke test)")
-    parser.add_argument("--rounds", type=int, help="rounds of all variants (default 3, or 1 with --quick)")
+    parser.add_argument("--rounds", type=int, help="rounds of all variants (default 5, or 1 with --quick)")
     parser.add_argument("--workdir", help="where the temporary checkpoint goes (default: a new dir under /tmp)")
     parser.add_argument("--out", default=OUT_DIR, help="where the PNG and the raw JSON go (default benchmarks/out)")
     parser.add_argument(
@@ -346,7 +360,7 @@ def main() -> None:
     if args.child:
         child(args.child, args.workdir)
         return
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
     wait_idle = args.wait_idle if args.wait_idle is not None else (0 if args.quick else 120)
     name = "consolidate-quick" if args.quick else "consolidate"
     if args.workdir:
@@ -368,7 +382,7 @@ def main() -> None:
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
                 runs.append(run_one(variant, root, wait_idle))
                 print(
-                    f"  round {round_index + 1}/{rounds} {variant:<22} {runs[-1]['seconds']:7.2f} s "
+                    f"  round {round_index + 1}/{rounds} {variant:<28} {runs[-1]['seconds']:7.2f} s "
                     f"(CPUs {runs[-1]['cpu_busy_before']:.0%} busy before)",
                     flush=True,
                 )

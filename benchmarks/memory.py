@@ -6,7 +6,8 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/memory.py --vocab 8192   # the same blocks with a small vocabulary (176M params)
     .venv/bin/python benchmarks/memory.py --quick        # smoke run: a 5M-parameter GPT-2, < 60 s
 
-Each configuration is one ``torchrun`` job (``OMP_NUM_THREADS=1`` per rank) on the CPU with gloo:
+Each configuration is one ``torchrun`` job (``OMP_NUM_THREADS=1`` per rank) on the CPU with gloo (GPUs, if
+any, are hidden from the ranks: this measures host memory):
 
 * ``baseline``: a rank that imports torch, transformers and torchacc, starts the process group and builds
   nothing. Its peak is measured exactly like the training ranks' and subtracted from theirs.
@@ -22,11 +23,13 @@ kernel's peak-RSS counter is reset (``/proc/self/clear_refs`` = 5) and the train
 "training peak" is ``VmHWM`` after them (exact), cross-checked by ``VmRSS`` polled every 2 ms in a
 thread. Both are per rank (the largest rank is shown) minus the baseline rank's value.
 
-Every configuration runs under two malloc settings (``--allocator``): ``glibc`` (the default, what a user
-gets) and ``mmap64k`` (``MALLOC_MMAP_THRESHOLD_=65536``: every block of 64 KiB or more is its own mapping and
-goes back to the kernel when freed). glibc's default raises its mmap threshold up to 32 MiB as big blocks are
-freed, after which FSDP's per-unit all-gather/reduce-scatter buffers come from the heap and the freed space
-stays resident; ``mmap64k`` shows what the tensors themselves need.
+Every configuration runs under each malloc setting of ``--allocator`` (default ``glibc mmap64k``):
+``glibc`` is the default, what a user gets; ``mmap64k`` (``MALLOC_MMAP_THRESHOLD_=65536``) maps every block of
+64 KiB or more on its own and unmaps it when freed. glibc's default raises its mmap threshold up to 32 MiB as
+large blocks are freed, after which blocks below that (an FSDP unit's all-gather and reduce-scatter buffers,
+gradients, activations) come from the heap, where freed space stays resident; ``mmap64k`` shows what the
+tensors themselves need. ``mmap4m``, ``mmap16m``, ``jemalloc`` and ``tcmalloc`` (preloaded system libraries)
+are there to compare; ``throughput.py --allocator`` measures their CPU cost.
 
 Theory for fp32 AdamW: 16 bytes per parameter (param 4 + grad 4 + exp_avg 4 + exp_avg_sq 4) divided by
 N, plus, when sharded, one unsharded FSDP unit (the largest unit's full parameters and gradients,
@@ -43,8 +46,10 @@ import time
 from typing import Any
 
 from _common import (
+    ALLOCATORS,
     GB,
     MemorySampler,
+    allocator_env,
     emit_result,
     gpt2_model,
     machine_summary,
@@ -63,7 +68,6 @@ QUICK_MODEL = (4, 256, 4, 8192)
 # (kind, world size): run in this order, once per allocator setting.
 RUNS = (("baseline", 1), ("fsdp", 1), ("baseline", 2), ("fsdp", 2), ("dp", 2))
 LABELS = {"fsdp": "torchacc FSDP", "dp": "torchacc DP (replicated)"}
-ALLOCATORS = {"glibc": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 BYTES_STATE = 16  # fp32 AdamW: param, grad, exp_avg, exp_avg_sq
 BYTES_UNIT = 8  # an unsharded unit: full params and full grads
@@ -89,7 +93,8 @@ def worker(args: argparse.Namespace) -> None:
     torchacc.dist.init_distributed()
     rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
     n_layer, n_embd, n_head, vocab = model_shape(args)
-    result: dict[str, Any] = {"kind": args.kind, "world": world, "rank": rank, "allocator": args.allocator}
+    allocator = os.environ.get("BENCH_ALLOCATOR", "glibc")
+    result: dict[str, Any] = {"kind": args.kind, "world": world, "rank": rank, "allocator": allocator}
     if args.kind == "baseline":
         torchacc.dist.barrier()
     else:
@@ -220,7 +225,8 @@ def plot(points: list[dict[str, Any]], path: str) -> str | None:
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("GB per rank")
     ax.set_title("Per-rank training memory, GPT-2 fp32 AdamW (CPU)")
-    ax.legend()
+    ax.set_ylim(0, 1.25 * max(max(p["theory"], p["measured"]) for p in points) / GB)
+    ax.legend(loc="upper center", ncol=2)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -237,16 +243,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: GPT-2's 50257; quick 8192)")
     p.add_argument(
         "--allocator",
-        choices=(*ALLOCATORS, "both"),
-        default=None,
-        help="malloc setting(s) to measure under (default: both; quick: glibc)",
+        nargs="+",
+        choices=list(ALLOCATORS),
+        help="malloc settings to measure under, one after the other (default: glibc mmap64k; quick: glibc)",
     )
     p.add_argument("--no-dp", action="store_true", help="skip the replicated (DP) contrast run (quick skips it)")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.allocator = args.allocator or ("glibc" if args.quick else "both")
+    args.allocator = args.allocator or (["glibc"] if args.quick else ["glibc", "mmap64k"])
     args.no_dp = args.no_dp or args.quick
     return args
 
@@ -256,17 +262,20 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    passed = [a for a in sys.argv[1:] if a not in ("--worker", "--allocator", *ALLOCATORS, "both")]
-    allocators = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
+    worker_args = ["--worker", "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+    worker_args += ["--vocab", str(args.vocab)] + (["--quick"] if args.quick else [])
+    envs = {name: allocator_env(name) for name in args.allocator}
     started = time.monotonic()
     results = []
-    for allocator in allocators:
+    for allocator in envs:
         for kind, world in RUNS:
             if kind == "dp" and args.no_dp:
                 continue
             print(f"running {kind} on {world} rank(s), malloc {allocator}...", file=sys.stderr, flush=True)
-            cmd = [*passed, "--worker", "--kind", kind, "--allocator", allocator]
-            results += run_torchrun(os.path.abspath(__file__), cmd, nproc=world, env=ALLOCATORS[allocator])
+            # Host memory only: GPUs are hidden from the ranks.
+            env = {**envs[allocator], "BENCH_ALLOCATOR": allocator, "CUDA_VISIBLE_DEVICES": ""}
+            cmd = [*worker_args, "--kind", kind]
+            results += run_torchrun(os.path.abspath(__file__), cmd, nproc=world, env=env)
     table, points = summarize(results)
     info = machine_summary()
     n_layer, n_embd, n_head, vocab = model_shape(args)

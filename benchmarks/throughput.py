@@ -2,7 +2,7 @@
 
 Run (from the repository root)::
 
-    .venv/bin/python benchmarks/throughput.py            # full: 3 GPT-2 sizes, 3 rounds (about 10 min on 2 cores)
+    .venv/bin/python benchmarks/throughput.py            # full: 3 GPT-2 sizes, 4 rounds (about 8 min on 2 cores)
     .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, < 60 s
 
 Contenders, all training a ``transformers.GPT2LMHeadModel`` (built from ``GPT2Config``, float32, dropout
@@ -20,9 +20,12 @@ off, the same seed) with ``torch.optim.AdamW`` on the same synthetic tokens:
 One ``torchrun --nproc_per_node=2`` job runs every measurement, so process start-up is paid once. Each
 measurement builds a fresh model, runs ``--warmup`` untimed steps (FSDP lazy init, AdamW state), then
 times ``--steps`` steps between a barrier and the slowest rank's end. The order of the contenders rotates
-every round (a b c d, b c d a, ...). Tokens/s counts the tokens of all ranks (``ranks x batch x seq``
-per step); tables show medians over rounds. On CUDA (when available) the same code runs with NCCL,
-one GPU per rank, and ``torch.cuda.synchronize()`` before reading the clock.
+every round (a b c d, b c d a, ...; with the default 4 rounds each contender runs first once). Tokens/s
+counts the tokens of all ranks (``ranks x batch x seq`` per step); tables show medians over rounds. The
+CPU time per step (``time.process_time()``, the busiest rank) is reported beside it: it does not count the
+time a rank is descheduled, so it is less sensitive to other processes on a shared machine. On CUDA (when
+available) the same code runs with NCCL, one GPU per rank, and ``torch.cuda.synchronize()`` before reading
+the clock.
 """
 
 import argparse
@@ -35,6 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 from _common import (
+    ALLOCATORS,
+    allocator_env,
     emit_result,
     gpt2_model,
     machine_summary,
@@ -50,9 +55,9 @@ CONTENDERS = ("torchacc", "fsdp2", "ddp", "single")
 LABELS = {"torchacc": "(a) torchacc", "fsdp2": "(b) FSDP2", "ddp": "(c) DDP", "single": "(d) 1 process"}
 # name -> (n_layer, n_embd, n_head, timed steps); the vocabulary is --vocab, the context --seq.
 FULL_SIZES = {
-    "L2-E128": (2, 128, 4, 30),
-    "L4-E256": (4, 256, 4, 12),
-    "L6-E512": (6, 512, 8, 5),
+    "L2-E128": (2, 128, 4, 16),
+    "L4-E256": (4, 256, 4, 6),
+    "L6-E512": (6, 512, 8, 3),
 }
 QUICK_SIZES = {"L2-E128": (2, 128, 4, 4)}
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
@@ -143,45 +148,115 @@ def run_steps(model: Any, optimizer: Any, batches: Any, move: Callable[[Any], An
     return float("nan") if loss is None else loss.item()
 
 
+class Run:
+    """One contender's model, optimizer and batches, ready to train (built on this rank)."""
+
+    def __init__(self, contender: str, size: tuple[int, ...], args: argparse.Namespace, device: Any, num_steps: int):
+        import torch
+        import torch.distributed as dist
+
+        n_layer, n_embd, n_head = size[:3]
+        self.contender, self.device = contender, device
+        world = dist.get_world_size()
+        dataset = random_tokens(world * args.batch * num_steps, args.seq, args.vocab)
+        model = gpt2_model(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=args.vocab, seq=args.seq)
+        self.params = num_params(model)
+        self.model, loader, self.move = SETUPS[contender](model, dataset, args.batch, device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.batches = iter(loader)
+
+    def train(self, num_steps: int) -> float:
+        return run_steps(self.model, self.optimizer, self.batches, self.move, num_steps)
+
+    def timed(self, num_steps: int, gloo: Any) -> tuple[float, float, float]:
+        """(seconds, CPU seconds, last loss) of ``num_steps`` steps; the slowest rank's for distributed runs."""
+        import torch
+        import torch.distributed as dist
+
+        _sync(self.device)
+        if self.contender != "single":
+            dist.barrier(group=gloo)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loss = self.train(num_steps)
+        _sync(self.device)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if self.contender != "single":
+            slowest = torch.tensor([elapsed, cpu], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=gloo)
+            elapsed, cpu = slowest.tolist()
+        return elapsed, cpu, loss
+
+
+def global_hooks() -> int:
+    """Hooks registered process-wide (on every optimizer or module). torchacc installing one would make (b), (c)
+    and (d), which run in the same process after it, pay for it too; the count is reported with the results."""
+    import torch.nn.modules.module as module
+    import torch.optim.optimizer as optimizer
+
+    names = [(optimizer, "_global_optimizer_pre_hooks"), (optimizer, "_global_optimizer_post_hooks")]
+    names += [(module, f"_global_{kind}_hooks") for kind in ("forward_pre", "forward", "backward_pre", "backward")]
+    return sum(len(getattr(where, name, {})) for where, name in names)
+
+
+def _free(device: Any) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure(contender: str, size: tuple[int, int, int, int], args: argparse.Namespace, device: Any, gloo: Any) -> dict:
     """Train ``contender`` for ``warmup + steps`` steps; the timed part's tokens/s (all ranks) and last loss."""
-    import torch
     import torch.distributed as dist
 
-    n_layer, n_embd, n_head, steps = size
-    steps = args.steps or steps
+    steps = args.steps or size[3]
     world, rank = dist.get_world_size(), dist.get_rank()
-    dataset = random_tokens(world * args.batch * (args.warmup + steps), args.seq, args.vocab)
     if contender == "single" and rank != 0:
         cpu = time.process_time()
         dist.barrier(group=gloo)  # rank 0 trains alone; this one sleeps until it is done
         return {"idle_cpu_s": time.process_time() - cpu}
-    model = gpt2_model(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=args.vocab, seq=args.seq)
-    params = num_params(model)
-    model, loader, move = SETUPS[contender](model, dataset, args.batch, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = iter(loader)
-    run_steps(model, optimizer, batches, move, args.warmup)
-    _sync(device)
-    if contender != "single":
-        dist.barrier(group=gloo)
-    start = time.perf_counter()
-    last_loss = run_steps(model, optimizer, batches, move, steps)
-    _sync(device)
-    elapsed = time.perf_counter() - start
+    run = Run(contender, size, args, device, args.warmup + steps)
+    run.train(args.warmup)
+    elapsed, cpu, loss = run.timed(steps, gloo)
     if contender == "single":
         dist.barrier(group=gloo)  # release rank 1
-        num_ranks = 1
-    else:
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=gloo)
-        elapsed, num_ranks = slowest.item(), world
-    del model, optimizer, loader, batches
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    tokens = num_ranks * args.batch * args.seq * steps
-    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "steps": steps, "loss": last_loss, "params": params}
+    num_ranks = 1 if contender == "single" else world
+    params = run.params
+    del run
+    _free(device)
+    return {
+        "tokens_per_s": num_ranks * args.batch * args.seq * steps / elapsed,
+        "seconds": elapsed,
+        "cpu_s_per_step": cpu / steps,  # this process's CPU time (all its threads), the busiest rank
+        "steps": steps,
+        "loss": loss,
+        "params": params,
+        "loadavg": os.getloadavg()[0],
+        "global_hooks": global_hooks(),
+    }
+
+
+def measure_paired(size: tuple[int, int, int, int], args: argparse.Namespace, device: Any, gloo: Any) -> dict:
+    """(a) and (b) built side by side in this process, timed in alternating blocks (ab, ba, ab, ...).
+
+    Neighbouring blocks see nearly the same load from other processes, so the ratio of each pair is
+    far less noisy than the ratio of two separate runs; the median over pairs is reported.
+    """
+    block = max(1, (args.steps or size[3]) // 2)
+    runs = {c: Run(c, size, args, device, args.warmup + args.pairs * block) for c in ("torchacc", "fsdp2")}
+    for run in runs.values():
+        run.train(args.warmup)
+    ratios, cpu_ratios, loss_gap = [], [], 0.0
+    for pair in range(args.pairs):
+        order = ("torchacc", "fsdp2") if pair % 2 == 0 else ("fsdp2", "torchacc")
+        timing = {c: runs[c].timed(block, gloo) for c in order}
+        ratios.append(timing["fsdp2"][0] / timing["torchacc"][0])  # tokens/s (a) over (b)
+        cpu_ratios.append(timing["fsdp2"][1] / timing["torchacc"][1])
+        loss_gap = max(loss_gap, abs(timing["torchacc"][2] - timing["fsdp2"][2]))
+    del runs
+    _free(device)
+    return {"paired_ratios": ratios, "paired_cpu_ratios": cpu_ratios, "block": block, "loss_gap": loss_gap}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -219,6 +294,16 @@ def worker(args: argparse.Namespace) -> None:
                     )
                 if rank == 0 or "idle_cpu_s" in result:
                     emit_result(result)
+    for name in names if args.pairs else []:
+        result = measure_paired(sizes[name], args, device, gloo)
+        result.update(size=name, rank=rank, loadavg=os.getloadavg()[0])
+        if rank == 0:
+            print(
+                f"[paired] {name} (a)/(b): median {median(result['paired_ratios']):.3f} over {args.pairs} pairs of "
+                f"{result['block']} steps",
+                flush=True,
+            )
+            emit_result(result)
     dist.destroy_process_group()
 
 
@@ -227,68 +312,124 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str, str, dict]:
-    """The medians table, the per-round table, a fairness line, and the medians for the plot."""
+def _ratio_cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    spread = f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""
+    return f"{median(values):.3f}{spread}"
+
+
+def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[list[str], str, dict]:
+    """The tables (throughput, torchacc against FSDP2, per round), a fairness line, and medians for the plot."""
     timed = [r for r in results if "tokens_per_s" in r]
+    paired = {r["size"]: r for r in results if "paired_ratios" in r}
     sizes = list(dict.fromkeys(r["size"] for r in timed))
-    tok = {
-        (s, c): [r["tokens_per_s"] for r in timed if r["size"] == s and r["contender"] == c]
-        for s in sizes
-        for c in CONTENDERS
-    }
-    med = {key: median(values) for key, values in tok.items() if values}
-    rows, round_rows, loss_gap = [], [], 0.0
+
+    def pick(size: str, contender: str, key: str) -> list[float]:
+        return [r[key] for r in timed if r["size"] == size and r["contender"] == contender]
+
+    med = {(s, c): median(pick(s, c, "tokens_per_s")) for s in sizes for c in CONTENDERS if pick(s, c, "tokens_per_s")}
+    rows, ab_rows, round_rows, loss_gap = [], [], [], 0.0
     for s in sizes:
-        params = next(r["params"] for r in timed if r["size"] == s)
         ratios = []
         for round_index in sorted({r["round"] for r in timed if r["size"] == s}):
             this = {r["contender"]: r for r in timed if r["size"] == s and r["round"] == round_index}
+            ratio = "-"
             if "torchacc" in this and "fsdp2" in this:
                 ratios.append(this["torchacc"]["tokens_per_s"] / this["fsdp2"]["tokens_per_s"])
                 loss_gap = max(loss_gap, abs(this["torchacc"]["loss"] - this["fsdp2"]["loss"]))
-            order = next(iter(this.values()))["order"]
-            round_rows.append(
-                [
-                    s,
-                    round_index + 1,
-                    order,
-                    *(f"{this[c]['tokens_per_s']:,.0f}" if c in this else "-" for c in CONTENDERS),
-                    f"{ratios[-1]:.3f}" if ratios else "-",
-                ]
-            )
-        ratio = med[(s, "torchacc")] / med[(s, "fsdp2")]
-        spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
+                ratio = f"{ratios[-1]:.3f}"
+            first = next(iter(this.values()))
+            cells = [f"{this[c]['tokens_per_s']:,.0f}" if c in this else "-" for c in CONTENDERS]
+            load = median(r["loadavg"] for r in this.values())
+            round_rows.append([s, round_index + 1, first["order"], *cells, ratio, f"{load:.1f}"])
         single = med[(s, "single")]
+        params = pick(s, "torchacc", "params")[0]
         rows.append(
+            [s, f"{params / 1e6:.2f}M", args.nproc * args.batch * args.seq]
+            + [f"{med[(s, c)]:,.0f}" for c in CONTENDERS]
+            + [f"{med[(s, c)] / single:.2f}x" for c in ("torchacc", "fsdp2", "ddp")]
+        )
+        cpu = {c: median(pick(s, c, "cpu_s_per_step")) for c in ("torchacc", "fsdp2")}
+        pair = paired.get(s, {})
+        loss_gap = max(loss_gap, pair.get("loss_gap", 0.0))
+        ab_rows.append(
             [
                 s,
-                f"{params / 1e6:.2f}M",
-                args.nproc * args.batch * args.seq,
-                *(f"{med[(s, c)]:,.0f}" for c in CONTENDERS),
-                f"**{ratio:.3f}**{spread}",
-                *(f"{med[(s, c)] / single:.2f}x" for c in ("torchacc", "fsdp2", "ddp")),
+                f"{med[(s, 'torchacc')] / med[(s, 'fsdp2')]:.3f}",
+                _ratio_cell(ratios),
+                f"{cpu['fsdp2'] / cpu['torchacc']:.3f}",
+                f"{cpu['torchacc']:.3f} / {cpu['fsdp2']:.3f}",
+                f"**{_ratio_cell(pair.get('paired_ratios', []))}**",
+                _ratio_cell(pair.get("paired_cpu_ratios", [])),
             ]
         )
-    headers = [
+    headers = ["model", "params", "tokens/step", *(LABELS[c] + " tok/s" for c in CONTENDERS)]
+    headers += ["speed-up (a)", "speed-up (b)", "speed-up (c)"]
+    ab_headers = [
         "model",
-        "params",
-        "tokens/step",
-        *(LABELS[c] + " tok/s" for c in CONTENDERS),
-        "(a)/(b) (range)",
-        "speed-up (a)",
-        "speed-up (b)",
-        "speed-up (c)",
+        "ratio of medians",
+        "per round (range)",
+        "by CPU time",
+        "CPU s/step (a) / (b)",
+        f"paired blocks: median (range) of {args.pairs}",
+        "paired, by CPU time",
     ]
     idle = [r["idle_cpu_s"] for r in results if "idle_cpu_s" in r]
+    hooks = max((r["global_hooks"] for r in timed), default=0)
+    loads = [r["loadavg"] for r in results if "loadavg" in r]
     notes = (
-        f"max |final loss (a) - final loss (b)| over rounds: {loss_gap:.2e} (same data, same init); "
-        f"CPU time of the idle rank during (d): max {max(idle, default=0.0):.3f} s"
+        f"max |loss (a) - loss (b)| at the same step: {loss_gap:.2e} (same data, same init); "
+        f"CPU time of the idle rank during (d): max {max(idle, default=0.0):.3f} s; "
+        f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} (this job alone: 2.0); "
+        f"process-wide optimizer/module hooks present: {hooks}"
+        + (" (they also run in (b), (c) and (d), which share the process)" if hooks else "")
     )
-    per_round = markdown_table(["model", "round", "order", *(LABELS[c] for c in CONTENDERS), "(a)/(b)"], round_rows)
-    return markdown_table(headers, rows), per_round, notes, med
+    round_headers = ["model", "round", "order", *(LABELS[c] for c in CONTENDERS), "(a)/(b)", "load avg"]
+    tables = [markdown_table(headers, rows), markdown_table(ab_headers, ab_rows)]
+    return [*tables, markdown_table(round_headers, round_rows)], notes, med
 
 
-def plot(med: dict, path: str) -> str | None:
+def loader_overhead(args: argparse.Namespace, repeats: int = 7, num_batches: int = 400) -> dict[str, float]:
+    """Microseconds per batch to iterate rank 0's share of the data: torchacc against the hand-written loader.
+
+    torchacc: ``shard_dataloader`` (what ``accelerate()`` builds, with the config's defaults), whose batches come
+    already placed on the device; hand-written: ``DataLoader`` + ``DistributedSampler`` + ``.to(device)`` per
+    tensor. On the CPU, in this (driver) process; the two alternate and the medians are returned.
+    """
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from torchacc.data import shard_dataloader
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    dataset = random_tokens(args.nproc * args.batch * num_batches, args.seq, args.vocab)
+
+    def torchacc_loader() -> Any:
+        plain = DataLoader(dataset, batch_size=args.batch, drop_last=True)
+        kwargs = {"shuffle": None, "drop_last": None, "seed": 0, "prefetch": True, "shard": True}
+        return shard_dataloader(plain, num_replicas=args.nproc, rank=0, device=device, **kwargs)
+
+    def hand_loader() -> Any:
+        sampler = DistributedSampler(dataset, args.nproc, 0, shuffle=False, drop_last=True)
+        return DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+
+    def per_batch(loader: Any, move: Callable[[Any], Any]) -> float:
+        start, count = time.perf_counter(), 0
+        for batch in loader:
+            move(batch)
+            count += 1
+        return (time.perf_counter() - start) / count * 1e6
+
+    times: dict[str, list[float]] = {"torchacc": [], "fsdp2": []}
+    for _ in range(repeats):
+        times["torchacc"].append(per_batch(torchacc_loader(), _keep))
+        times["fsdp2"].append(per_batch(hand_loader(), lambda b: _move(b, device)))
+    return {name: median(values) for name, values in times.items()}
+
+
+def plot(med: dict, path: str, nproc: int) -> str | None:
     try:
         import matplotlib
 
@@ -297,16 +438,18 @@ def plot(med: dict, path: str) -> str | None:
     except ImportError:
         return None
     sizes = list(dict.fromkeys(s for s, _ in med))
-    width = 0.8 / len(CONTENDERS)
+    shown = ("torchacc", "fsdp2", "ddp")
+    width = 0.8 / len(shown)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, c in enumerate(CONTENDERS):
-        xs = [j + (i - 1.5) * width for j in range(len(sizes))]
-        ax.bar(xs, [med.get((s, c), 0) for s in sizes], width, label=LABELS[c])
+    for i, c in enumerate(shown):
+        xs = [j + (i - 1) * width for j in range(len(sizes))]
+        ax.bar(xs, [med.get((s, c), 0) / med[(s, "single")] for s in sizes], width, label=LABELS[c])
+    ax.axhline(1.0, color="gray", linewidth=1, label="(d) 1 process")
+    ax.axhline(nproc, color="gray", linewidth=1, linestyle="--", label=f"ideal ({nproc} ranks)")
     ax.set_xticks(range(len(sizes)), sizes)
-    ax.set_yscale("log")
-    ax.set_ylabel("tokens/s (median, all ranks)")
-    ax.set_title("GPT-2 training throughput, fp32 AdamW, 2 ranks")
-    ax.legend()
+    ax.set_ylabel("tokens/s over one process (medians)")
+    ax.set_title(f"GPT-2 training throughput, fp32 AdamW, {nproc} ranks")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -317,19 +460,22 @@ def plot(med: dict, path: str) -> str | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one tiny size, 1 round, few steps (< 60 s)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of all contenders (default 3, quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of all contenders (default 4, quick 1)")
     p.add_argument("--steps", type=int, default=0, help="timed steps per measurement (default: per size)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, quick 1)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (GPT-2's is 50257)")
     p.add_argument("--sizes", nargs="*", help=f"subset of {list(FULL_SIZES)}")
+    p.add_argument("--pairs", type=int, default=None, help="(a)/(b) paired block count per size (default 6, quick 2)")
+    p.add_argument("--allocator", choices=list(ALLOCATORS), default="glibc", help="malloc setting of the ranks")
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "throughput.png"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else len(CONTENDERS))
+    args.pairs = args.pairs if args.pairs is not None else (2 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if args.device == "auto":
         import torch
@@ -350,27 +496,44 @@ def main() -> None:
             sys.exit(f"--device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}; pass --nproc")
     passed = [a for a in sys.argv[1:] if a != "--worker"]
     started = time.monotonic()
-    results = run_torchrun(os.path.abspath(__file__), [*passed, "--worker", "--device", args.device], nproc=args.nproc)
-    table, per_round, notes, med = summarize(results, args)
+    env = allocator_env(args.allocator)
+    cmd = [*passed, "--worker", "--device", args.device]
+    results = run_torchrun(os.path.abspath(__file__), cmd, nproc=args.nproc, env=env)
+    (table, ab_table, per_round), notes, med = summarize(results, args)
     info = machine_summary()
     print(
         f"\n## Training throughput: GPT-2, fp32 AdamW, {args.nproc} ranks on {args.device} "
         f"(batch {args.batch}/rank, seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds, "
-        f"{args.warmup} warm-up steps)\n"
+        f"{args.warmup} warm-up steps, malloc {args.allocator})\n"
     )
     print(
         f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
         f"wall {time.monotonic() - started:.0f} s\n"
     )
-    print("Medians over rounds; speed-up = tokens/s against (d) one process.\n")
+    print("Tokens/s of all ranks, medians over rounds; speed-up = tokens/s over (d) one process.\n")
     print(table)
+    print(
+        "\n### (a) torchacc / (b) hand-written FSDP2 (goal >= 0.98)\n\n"
+        "Ratios of tokens/s from the rounds above, and from paired blocks: (a) and (b) built side by side and "
+        "timed in alternating blocks of steps. 'By CPU time' = CPU seconds per step of (b) over (a) (the busiest "
+        "rank), which does not count time a rank is descheduled by other processes.\n"
+    )
+    print(ab_table)
     print("\nPer round (tokens/s):\n")
     print(per_round)
     print("\n" + notes)
+    if args.device == "cpu":
+        loader = loader_overhead(args, *((3, 100) if args.quick else (7, 400)))
+        step_ms = min(args.nproc * args.batch * args.seq / med[(s, "fsdp2")] for s, _ in med) * 1e3
+        extra = loader["torchacc"] - loader["fsdp2"]
+        print(
+            f"loader, per batch: torchacc {loader['torchacc']:.1f} us, hand-written {loader['fsdp2']:.1f} us; the "
+            f"difference ({extra:+.1f} us) is {extra / 1e3 / step_ms:+.3%} of the shortest (b) step ({step_ms:.0f} ms)"
+        )
     os.makedirs(OUT_DIR, exist_ok=True)
     with open(os.path.join(OUT_DIR, "throughput.json"), "w") as f:
         json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)
-    path = plot(med, args.plot)
+    path = plot(med, args.plot, args.nproc)
     print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed)")
 
 

@@ -3,6 +3,12 @@
     torchrun --nproc_per_node=2 examples/train_gpt2.py              # 2 ranks, FSDP
     python examples/train_gpt2.py --steps 20                         # one process works too
     torchrun --nproc_per_node=2 examples/train_gpt2.py --model_dir ./my-gpt2   # from_pretrained
+    torchrun --nproc_per_node=2 examples/train_gpt2.py --config examples/train_gpt2.yaml memory.gc=true
+    torchrun --nproc_per_node=2 examples/train_gpt2.py --save_dir ./shards    # then: torchacc consolidate
+
+The torchacc config comes from the flags (--bf16, --fsdp_size), then the --config YAML file, then any
+KEY=VALUE overrides (docs/config.md lists every key); later wins. --save_dir writes one shard file per
+rank, TorchAcc-style, plus the model config and tokenizer; examples/consolidate.sh takes it from there.
 
 Everything is local: the text is examples/data/tiny_corpus.txt, the tokenizer is trained on it in
 a second, and the model is built from a small GPT-2 config (or loaded from ``--model_dir``).
@@ -11,6 +17,7 @@ Remove the two marked lines and this is a plain single-process PyTorch script.
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -57,7 +64,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--fsdp_size", type=int, default=None, help="default: all ranks")
-    args = parser.parse_args()
+    parser.add_argument("--config", default=None, help="a torchacc config YAML file, e.g. examples/train_gpt2.yaml")
+    parser.add_argument("--save_dir", default=None, help="save per-rank model and optimizer shards here")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. memory.gc=true")
+    args = parser.parse_intermixed_args()
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(args.text_file)
@@ -85,6 +95,11 @@ def main() -> None:
     config.compute.bf16 = args.bf16
     config.dist.fsdp.size = args.fsdp_size or torchacc.dist.world_size()
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    if args.config or args.overrides:  # layered over the flags above: the YAML file, then KEY=VALUE
+        files = [f"config={args.config}"] if args.config else []
+        config = torchacc.Config.from_cli(files + args.overrides, base=config)
+        if torchacc.dist.is_master_ordinal(local=False):
+            print(f"torchacc config:\n{config.to_yaml()}")
     model, loader = torchacc.accelerate(model, loader, config)
     # ---------------------------------------------------------------------------------------------
 
@@ -109,6 +124,24 @@ def main() -> None:
     if torchacc.dist.is_master_ordinal(local=False):
         num_ranks = torchacc.dist.world_size()
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} after {len(losses)} steps on {num_ranks} rank(s)")
+    if args.save_dir:
+        save_shards(model, optimizer, tokenizer, args.save_dir)
+
+
+def save_shards(model, optimizer, tokenizer, save_dir: str) -> None:
+    """TorchAcc-style checkpoint: every rank writes its own shards; `torchacc consolidate` merges them offline."""
+    rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
+    os.makedirs(save_dir, exist_ok=True)
+    meta = model.get_shard_metadata()  # how each tensor is split: all the offline tools need
+    model_shard = {"model": model.state_dict(), "shard_metadata": meta}
+    torchacc.save(model_shard, f"{save_dir}/rank-{rank}-of-{world}-model.pth", master_only=False)
+    optim_shard = {"optimizer": torchacc.optim_state_dict(model, optimizer), "shard_metadata": meta}
+    torchacc.save(optim_shard, f"{save_dir}/rank-{rank}-of-{world}-optim.pth", master_only=False)
+    if torchacc.dist.is_master_ordinal(local=False):
+        model.config.save_pretrained(save_dir)  # config.json: what the Hugging Face export needs
+        tokenizer.save_pretrained(save_dir)
+        print(f"saved {world} shard file(s) per kind, config.json and the tokenizer to {save_dir}")
+    torchacc.dist.rendezvous("shards_saved")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Importing torchacc changes nothing in torch and sets no environment variables.
 
 from . import dist
 from .accelerate import accelerate
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, resume_latest, save_checkpoint
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig
 from .consolidate import consolidate, reshard_checkpoint
 from .grad import clip_grad_norm_
@@ -48,6 +48,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "resume_latest",
     "consolidate",
     "reshard_checkpoint",
     "export_hf",

@@ -33,6 +33,12 @@ class Node:
     def __post_init__(self) -> None:
         self._check_types()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            object.__setattr__(self, name, value)
+        except AttributeError:
+            raise AttributeError(_unknown_field(type(self), name)) from None
+
     def _check_types(self, recursive: bool = False) -> None:
         for name, tp in field_types(type(self)):
             value = _check_type(getattr(self, name), tp, f"{self._path}.{name}".lstrip("."))
@@ -133,6 +139,15 @@ def merge(cls: type, sources: list[Any]) -> Any:
             value = OmegaConf.to_container(value)
         raise _type_error(key, _type_at(cls, key), value) from None
     return _build(cls, data)
+
+
+def _unknown_field(cls: Any, name: str) -> str:
+    """The message for setting a field that ``cls`` does not have: the valid ones and the closest match."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, valid, n=1)
+    where = cls._path or "the top level"
+    hint = f"; did you mean {f'{cls._path}.' if cls._path else ''}{close[0]}?" if close else ""
+    return f"{f'{cls._path}.' if cls._path else ''}{name}: unknown key; valid keys at {where}: {', '.join(valid)}{hint}"
 
 
 def _alternatives(tp: Any) -> tuple[list[Any], bool]:

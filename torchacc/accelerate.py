@@ -100,5 +100,10 @@ def _check_types(model: Any, dataloader: Any, config: Any) -> None:
             f"config must be a torchacc.Config, got {type(config).__name__}; "
             "build one with torchacc.Config() or Config.from_dict/from_yaml/from_cli"
         )
-    if dataloader is not None and isinstance(dataloader, ShardedDataLoader):
+    if dataloader is not None and not isinstance(dataloader, (DataLoader, ShardedDataLoader)):
+        raise TypeError(
+            f"dataloader must be a torch.utils.data.DataLoader or None, got {type(dataloader).__name__}; wrap your "
+            "dataset: DataLoader(dataset, batch_size=...)"
+        )
+    if isinstance(dataloader, ShardedDataLoader):
         raise ValueError("dataloader was already returned by torchacc.accelerate(); pass the original DataLoader")

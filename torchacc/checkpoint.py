@@ -1,44 +1,45 @@
 """The native sharded checkpoint: ``save_checkpoint`` / ``load_checkpoint`` on torch.distributed.checkpoint.
 
 Every rank writes its own shards in parallel, and a checkpoint loads at any world size (DCP
-reshards DTensors on load). Layout of ``directory``::
+reshards DTensors on load). ``resume_latest`` is the one-line restart. Layout of ``directory``::
 
-    checkpoint-1/        complete checkpoints (DCP files + .metadata)
+    checkpoint-1/        complete checkpoints (DCP files + .metadata + checksums.json)
     checkpoint-2/
-    .checkpoint-3.incomplete/   being written; never loaded
+    .checkpoint-3.incomplete/   being written; never loaded, removed by the next save
     latest               the tag of the newest complete checkpoint, replaced atomically
 
-[Note: checkpoint atomicity] A checkpoint is written under ``.<tag>.incomplete``, renamed to
-``<tag>`` once every rank has finished, and only then is ``latest`` moved to it. A crash at any
-point leaves ``latest`` naming the previous complete checkpoint.
+[Note: checkpoint atomicity] A checkpoint is written under ``.<tag>.incomplete``; once every rank has
+finished, its checksums are recorded (see [Note: checkpoint checksums] in ``torchacc._checksums``), it
+is renamed to ``<tag>``, and only then is ``latest`` moved to it. A crash, even SIGKILL, at any point
+leaves ``latest`` naming a complete checkpoint. Re-saving an existing tag first moves the old one to
+``.<tag>.replaced``, which ``latest_checkpoint`` falls back to until the new one is in place. A failed
+save (a full disk, a directory one rank cannot write) raises on every rank and removes its staging
+directory; leftovers of a killed save are removed (or a ``.replaced`` one restored) by the next save.
+Only one job may save into a directory at a time.
 """
 
 import os
 import pickle
-import re
 import shutil
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from . import _checkpoint_dir as _dir
+from . import _checksums
 from .data import ShardedDataLoader
 from .dist import env
 from .dist.collectives import broadcast, raise_on_any_rank
 from .optim_state import load_optim_state_dict, optim_state_dict
-from .serialization import atomic_write
+from .serialization import describe_os_error
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "resume_latest"]
 
-LATEST = "latest"
-_TAG = re.compile(r"^checkpoint-(\d+)$")
-
-
-def _next_tag(directory: str) -> str:
-    numbers = [int(m.group(1)) for name in os.listdir(directory) if (m := _TAG.match(name))]
-    return f"checkpoint-{max(numbers, default=0) + 1}"
+LATEST = _dir.LATEST
 
 
 def save_checkpoint(
@@ -68,22 +69,26 @@ def save_checkpoint(
         The path of the new checkpoint.
 
     Raises:
-        RuntimeError: some rank failed to write; nothing becomes ``latest``.
+        ValueError: a bad argument (the same on every rank, before anything is written).
+        RuntimeError: some rank failed to write (the message names the rank, the path and the cause); nothing
+            becomes ``latest``, the staging directory is removed and the previous checkpoint is intact.
 
     Example:
         >>> torchacc.save_checkpoint("ckpt", model=model, optimizer=opt, dataloader=loader, extra={"step": step})
     """
+    _dir.check_save_args(model, scheduler, dataloader, extra, tag)
     directory = os.fspath(directory)
+    what = f"save_checkpoint({directory!r})"
     error = None
     if env.rank() == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            tag = tag or _next_tag(directory)
-            staging = os.path.join(directory, f".{tag}.incomplete")
-            shutil.rmtree(staging, ignore_errors=True)
+            _dir.clean_leftovers(directory)
+            tag = tag or _dir.next_tag(directory)
+            os.makedirs(os.path.join(directory, f".{tag}.incomplete"))
         except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    raise_on_any_rank(error, what=f"save_checkpoint({directory!r})")
+            error = describe_os_error(exc, exc.filename or directory)
+    raise_on_any_rank(error, what=what)
     tag = broadcast(tag, src=0)
     staging, final = os.path.join(directory, f".{tag}.incomplete"), os.path.join(directory, tag)
 
@@ -99,18 +104,24 @@ def save_checkpoint(
             state[key] = _pack(obj.state_dict())
     state["extra"] = _pack(dict(extra or {}))
     state["torchacc"] = _pack({"world_size": env.world_size(), "format": "torchacc-dcp/1"})
-    dcp.save(state, checkpoint_id=staging)
+    try:
+        dcp.save(state, checkpoint_id=staging)
+        error = _checksums.record(staging)
+    except (Exception, CheckpointException) as exc:  # DCP raises the same failure on every rank
+        error = _dir.describe_failure(exc, staging)
+    if error is not None:
+        if env.rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(f"{what} failed: {error}; nothing was saved and '{LATEST}' is unchanged")
 
     error = None
     if env.rank() == 0:
         try:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            atomic_write(os.path.join(directory, LATEST), lambda tmp: _write_text(tmp, tag))
+            _dir.publish(directory, tag, staging, final)
         except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    raise_on_any_rank(error, what=f"save_checkpoint({directory!r})")
+            shutil.rmtree(staging, ignore_errors=True)
+            error = describe_os_error(exc, exc.filename or final)
+    raise_on_any_rank(error, what=what)
     return final
 
 
@@ -123,19 +134,74 @@ def _unpack(blob: Any) -> Any:
     return pickle.loads(blob)
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     """The path of the newest complete checkpoint under ``directory``, or None if there is none."""
     pointer = os.path.join(os.fspath(directory), LATEST)
     if not os.path.isfile(pointer):
         return None
     with open(pointer) as f:
-        path = os.path.join(os.fspath(directory), f.read().strip())
-    return path if os.path.isfile(os.path.join(path, ".metadata")) else None
+        tag = f.read().strip()
+    # An interrupted re-save of the same tag leaves the previous version under .<tag>.replaced.
+    for name in (tag, f".{tag}.replaced"):
+        path = os.path.join(os.fspath(directory), name)
+        if tag and os.path.isfile(os.path.join(path, ".metadata")):
+            return path
+    return None
+
+
+def resume_latest(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    scheduler: Any = None,
+    dataloader: ShardedDataLoader | None = None,
+    verify: bool = True,
+) -> dict[str, Any] | None:
+    """Load the newest complete ``save_checkpoint`` checkpoint under ``directory``, if there is one.
+
+    The restart half of a training script: call it every time the script starts (every rank), after
+    ``accelerate()`` and building the optimizer; under ``torchrun --max-restarts=N`` a crashed job then
+    continues from its last complete checkpoint, with the data position restored.
+
+    Args:
+        directory: the root given to ``save_checkpoint`` (it need not exist yet).
+        model, optimizer, scheduler, dataloader: filled in place, as in ``load_checkpoint``.
+        verify: check every file's CRC-32 against the checksums recorded at save.
+
+    Returns:
+        The ``extra`` dict of the loaded checkpoint, or None when ``directory`` holds no checkpoint yet.
+
+    Raises:
+        FileNotFoundError: ``latest`` names a checkpoint that is missing or incomplete.
+        ValueError: as ``load_checkpoint`` (a damaged file, a model that does not match).
+
+    Example:
+        >>> extra = torchacc.resume_latest("ckpt", model, optimizer, dataloader=loader) or {}
+        >>> start = extra.get("step", 0)
+    """
+    path = require_latest(directory)
+    if path is None:
+        return None
+    return load_checkpoint(
+        path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader, verify=verify
+    )
+
+
+def require_latest(directory: str | os.PathLike[str]) -> str | None:
+    """``latest_checkpoint``, but a ``latest`` naming a missing or incomplete checkpoint raises FileNotFoundError."""
+    directory = os.fspath(directory)
+    path = latest_checkpoint(directory)
+    pointer = os.path.join(directory, LATEST)
+    if path is None and os.path.isfile(pointer):
+        with open(pointer) as f:
+            tag = f.read().strip()
+        # Starting afresh here would let the new run's saves (and rotation) bury the old checkpoints.
+        raise FileNotFoundError(
+            f"{pointer} names {tag!r}, which is not a complete checkpoint in {directory!r}; restore it, or "
+            "load an earlier checkpoint-N explicitly with torchacc.load_checkpoint"
+        )
+    return path
 
 
 def load_checkpoint(
@@ -145,19 +211,23 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     dataloader: ShardedDataLoader | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint``, at any world size. Every rank must call it.
 
     Args:
         path: a checkpoint directory, or the root passed to ``save_checkpoint`` (its ``latest`` is loaded).
         model, optimizer, scheduler, dataloader: filled in place; each must have been saved.
+        verify: check every file's CRC-32 against the checksums recorded at save (the ranks share the reading);
+            False checks only the sizes.
 
     Returns:
         The ``extra`` dict that was saved.
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
-        ValueError: the checkpoint lacks something asked for, or holds keys this model does not have.
+        ValueError: a missing, truncated or corrupt file (named), the checkpoint lacks something asked for,
+            or holds keys this model does not have.
     """
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, ".metadata")):
@@ -168,7 +238,16 @@ def load_checkpoint(
                 "pass the directory given to save_checkpoint or one of its checkpoint-N subdirectories"
             )
         path = latest
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    what = f"load_checkpoint({path!r})"
+    _checksums.verify(path, full=verify, what=what)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        saved = metadata.state_dict_metadata
+    except Exception as exc:
+        raise ValueError(
+            f"{os.path.join(path, '.metadata')}: unreadable ({type(exc).__name__}: {exc}); the checkpoint is damaged: "
+            "restore the file or load an earlier checkpoint"
+        ) from None
     state: dict[str, Any] = {f"model/{k}": v for k, v in model.state_dict().items()}
     missing = sorted(k.removeprefix("model/") for k in state if k not in saved)
     unexpected = sorted(k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in state)
@@ -187,7 +266,11 @@ def load_checkpoint(
             _require(saved, key, path, key)
             state[key] = None
     state["extra"] = None
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as exc:  # raised on every rank
+        detail = _dir.find_short_file(path, metadata) or _dir.describe_failure(exc, path)
+        raise ValueError(f"{what} failed: {detail}") from None
 
     model.load_state_dict({k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")})
     if optimizer is not None:

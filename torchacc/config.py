@@ -40,7 +40,7 @@ class ComputeConfig(Node):
     """Compute in float16 (parameters stay float32). Mutually exclusive with bf16."""
     compile: bool = False
     """``torch.compile`` every dist.fsdp.wrap_layer_cls block, after activation checkpointing and before sharding,
-    in place (``module.compile()``), so FSDP's hooks still fire and state_dict keys stay unchanged."""
+    in place (only its ``forward`` is compiled), so FSDP's hooks still fire and state_dict keys stay unchanged."""
 
 
 @dataclass(kw_only=True, slots=True)

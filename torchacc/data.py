@@ -368,7 +368,7 @@ def _user_shuffle(loader: DataLoader) -> bool:
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise ValueError(f"The DataLoader has a custom batch_sampler ({type(batch_sampler).__name__}). {_FIX}")
     sampler = loader.sampler
-    if type(sampler) is SequentialSampler:
+    if type(sampler) is SequentialSampler and len(sampler) == len(loader.dataset):
         return False
     if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
         return True

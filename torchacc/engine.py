@@ -6,15 +6,18 @@ meta-device materialization and mixed precision, in that order; ``remap_optimize
 optimizer built too early onto the sharded parameters.
 """
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MethodType
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._logging import warn_once
 from .activation_checkpoint import apply_activation_checkpointing
@@ -175,6 +178,7 @@ def shard_model(
             )
         if plan.meta:
             materialize(model, device=device, buffers=buffers, init_from=config.dist.fsdp.init_from)
+        _mark_replaced(plan)
     else:
         if plan.meta:
             materialize(model, device=device, buffers=buffers, init_from=config.dist.fsdp.init_from)
@@ -191,6 +195,37 @@ def shard_model(
     dp_size = config.resolved_dp_size(world_size)
     model._torchacc = AcceleratedState(device, mesh, dp_size, config.dist.fsdp.size, dtype)
     return model
+
+
+_checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_hook_installed = False
+
+
+def _mark_replaced(plan: ModelPlan) -> None:
+    """Tag the pre-shard parameters, so an optimizer built on them fails at its first step, not silently."""
+    global _hook_installed
+    for param, name in plan.param_names.items():
+        param._torchacc_replaced = name
+    if not _hook_installed:
+        register_optimizer_step_pre_hook(_refuse_stale_optimizer)
+        _hook_installed = True
+
+
+def _refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Under FSDP2 an optimizer built before sharding updates parameters the model no longer uses:
+    # the loss never moves and nothing says why (a known PyTorch trap). Checked once per optimizer.
+    if optimizer in _checked_optimizers:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, "_torchacc_replaced", None)
+            if name is not None:
+                raise RuntimeError(
+                    f"this optimizer holds parameters that torchacc.accelerate() replaced by sharded ones (first: "
+                    f"{name!r}), so it would train nothing; build the optimizer after accelerate() from "
+                    "model.parameters(), or pass it in: accelerate(model, loader, config, optimizer=optimizer)"
+                )
+    _checked_optimizers.add(optimizer)
 
 
 def remap_optimizer(optimizer: torch.optim.Optimizer, plan: ModelPlan, model: nn.Module) -> None:

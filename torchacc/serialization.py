@@ -9,8 +9,10 @@ truncated or bit-flipped file is detected by ``verify_file`` without any sidecar
 """
 
 import contextlib
+import errno
 import glob
 import os
+import pickle
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from .dist import env
 from .dist.collectives import raise_on_any_rank
 
-__all__ = ["save", "load", "verify_file", "atomic_write", "publish", "temp_path"]
+__all__ = ["save", "load", "verify_file", "atomic_write", "publish", "temp_path", "fsync_dir", "describe_os_error"]
 
 
 def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, global_master: bool = False) -> None:
@@ -41,7 +43,8 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
             every node (False, TorchAcc's default, for node-local disks).
 
     Raises:
-        RuntimeError: some rank could not write; the message names the rank and the error.
+        RuntimeError: some rank could not write (a missing or read-only directory, a full disk); the
+            message names the rank, the path and how to fix it. ``path`` keeps its previous content.
 
     Example:
         >>> torchacc.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()},
@@ -54,7 +57,7 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
         try:
             atomic_write(path, lambda tmp: torch.save(data, tmp))
         except Exception as exc:  # reported to every rank below instead of hanging them
-            error = f"{type(exc).__name__}: {exc}"
+            error = describe_os_error(exc, path)
     raise_on_any_rank(error, what=f"torchacc.save({os.fspath(path)!r})")
 
 
@@ -77,7 +80,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = Fal
         verify_file(path)
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
         raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {exc}") from None
 
 
@@ -129,11 +132,35 @@ def publish(tmp: str, path: str | os.PathLike[str]) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Flush ``directory``'s entries (renames, new files) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def describe_os_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
+    """One line saying what went wrong writing ``path`` and how to fix it."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device of {parent!r} while writing {path!r} ({exc}); free space and save again"
+    if not os.path.isdir(parent):
+        existing = parent
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            return f"{existing!r} is a file, not a directory, so {path!r} cannot be written; fix the path"
+        return f"the directory {parent!r} does not exist; create it first (os.makedirs) or fix the path {path!r}"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{path!r} is not writable ({exc}); choose a writable directory or fix its permissions"
+    return f"{type(exc).__name__} writing {path!r}: {exc}"
 
 
 def _remove_quietly(path: str) -> None:

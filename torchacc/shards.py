@@ -67,8 +67,8 @@ class ShardSet:
 
     Raises:
         ValueError: no file matches; a file is truncated, corrupt or not a shard file; ranks are
-            missing or duplicated; world sizes are mixed; a tensor's shape or dtype disagrees with the
-            metadata or with rank 0. Every message names the file(s) concerned.
+            missing, duplicated or outside the world size; world sizes are mixed; a tensor's shape or
+            dtype disagrees with the metadata or with rank 0. Every message names the file(s) concerned.
     """
 
     def __init__(self, pattern: str, *, section: str = "model", verify: bool = True) -> None:
@@ -88,8 +88,16 @@ class ShardSet:
                     f"mixed world sizes: {p0} is from a {w0}-rank run but {p1} is from a {w1}-rank run; "
                     "keep one run's files per directory, or narrow the pattern"
                 )
+            if not 0 <= meta["rank"] < meta["world_size"]:
+                raise ValueError(
+                    f"{path}: rank {meta['rank']} does not belong to a {meta['world_size']}-rank checkpoint (ranks 0 "
+                    f"to {meta['world_size'] - 1}); the file comes from another run: remove it or narrow the pattern"
+                )
             if meta["rank"] in by_rank:
-                raise ValueError(f"duplicate rank {meta['rank']}: {by_rank[meta['rank']][0]} and {path}")
+                raise ValueError(
+                    f"duplicate rank {meta['rank']}: {by_rank[meta['rank']][0]} and {path}; keep one run's files per "
+                    "directory, or narrow the pattern"
+                )
             by_rank[meta["rank"]] = (path, data)
         self.world_size = next(iter(world_sizes))
         missing = sorted(set(range(self.world_size)) - set(by_rank))

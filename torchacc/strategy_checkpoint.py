@@ -11,11 +11,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from . import _checksums
+from ._checkpoint_dir import describe_failure
+from .checkpoint import load_checkpoint, require_latest, save_checkpoint
 from .dist import collectives, env
-from .serialization import load, save
+from .serialization import describe_os_error, load, save
 
 __all__ = ["StrategyCheckpointMixin"]
 
@@ -76,16 +79,33 @@ class StrategyCheckpointMixin:
             save(checkpoint, filepath, master_only=True, global_master=True)
             return
         path = os.fspath(filepath)
-        staging = f"{path}.incomplete"
+        staging, replaced, what = f"{path}.incomplete", f"{path}.replaced", f"save_checkpoint({path!r})"
+        error = None
         if env.rank() == 0:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                os.makedirs(staging)
+            except OSError as exc:
+                error = describe_os_error(exc, exc.filename or staging)
+        collectives.raise_on_any_rank(error, what=what)
+        try:
+            dcp.save(checkpoint, checkpoint_id=staging)
+            error = _checksums.record(staging)
+        except (Exception, CheckpointException) as exc:  # DCP raises the same failure on every rank
+            error = describe_failure(exc, staging)
+        if error is None and env.rank() == 0:
+            try:
+                # The previous version stays whole under .replaced until the new one has its name.
+                shutil.rmtree(replaced, ignore_errors=True)
+                if os.path.exists(path):
+                    os.replace(path, replaced)
+                os.replace(staging, path)
+                shutil.rmtree(replaced, ignore_errors=True)
+            except OSError as exc:
+                error = describe_os_error(exc, exc.filename or path)
+        if error is not None and env.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        collectives.barrier()
-        dcp.save(checkpoint, checkpoint_id=staging)
-        collectives.barrier()
-        if env.rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(staging, path)
-        collectives.barrier()
+        collectives.raise_on_any_rank(error, what=what)
 
     def load_checkpoint(self, filepath: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint written by ``save_checkpoint``; its ``"state_dict"`` goes into the model.
@@ -98,6 +118,7 @@ class StrategyCheckpointMixin:
         elif os.path.isdir(filepath):
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+            _checksums.verify(os.fspath(filepath), full=True, what=f"load_checkpoint({os.fspath(filepath)!r})")
             meta = dcp.FileSystemReader(os.fspath(filepath)).read_metadata()
             top = {path[0] for path in meta.planner_data.values()} - {"state_dict"}
             checkpoint = _load_state_dict_from_keys(keys=top, checkpoint_id=os.fspath(filepath)) if top else {}
@@ -160,9 +181,13 @@ class StrategyCheckpointMixin:
             extra=extra,
             tag=tag or f"global_step{self.global_step}",
         )
+        error = None
         if env.rank() == 0:
-            self._rotate(os.fspath(save_dir), keep=path, max_num=max_num, max_bytes=max_mem * 1e9)
-        collectives.barrier()
+            try:
+                self._rotate(os.fspath(save_dir), keep=path, max_num=max_num, max_bytes=max_mem * 1e9)
+            except OSError as exc:
+                error = f"removing an old checkpoint: {describe_os_error(exc, exc.filename or save_dir)}"
+        collectives.raise_on_any_rank(error, what=f"save_ckpt({os.fspath(save_dir)!r})")
         return path
 
     @staticmethod
@@ -192,8 +217,11 @@ class StrategyCheckpointMixin:
 
         Returns:
             ``(checkpoint path, client_state)``, or ``(None, {})`` when there is no checkpoint yet.
+
+        Raises:
+            FileNotFoundError: ``latest`` names a checkpoint that is missing or incomplete.
         """
-        path = latest_checkpoint(load_dir) if os.path.isdir(load_dir) else None
+        path = require_latest(load_dir)
         if path is None:
             return None, {}
         extra = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=self.dataloader)

@@ -156,6 +156,7 @@ def fsdp_suite() -> dict:
         "bf16": low_precision("bf16"),
         "fp16": low_precision("fp16"),
         "collectives": collectives(),
+        "stale_optimizer": stale_optimizer(),
     }
 
 
@@ -169,3 +170,17 @@ def hsdp_suite() -> dict:
 
 def train_gpt2_fsdp() -> dict:
     return train_gpt2(gpt2_config(fsdp=2))
+
+
+def stale_optimizer() -> dict:
+    """An optimizer built before accelerate() and not passed in must fail loudly at its first step."""
+    model = tiny_gpt2(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model = torchacc.accelerate(model, config=gpt2_config(fsdp=2))
+    ids = token_dataset(2)[0]["input_ids"].unsqueeze(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    try:
+        optimizer.step()
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": str(exc)}

@@ -88,3 +88,9 @@ def test_collectives(two_ranks):
         assert c["all_reduce_sum"] == [3]
         assert c["master"] == (rank == 0)
         assert "rendezvous mismatch" in c["mismatch"] and "rank 1: 'tag-of-rank-1'" in c["mismatch"]
+
+
+def test_optimizer_built_before_accelerate_fails_at_its_first_step(two_ranks):
+    for rank_result in two_ranks:
+        error = rank_result["stale_optimizer"]["error"]
+        assert error and "replaced by sharded ones" in error and "optimizer=optimizer" in error

@@ -20,6 +20,7 @@ __all__ = [
     "all_reduce",
     "reduce",
     "broadcast_tensors",
+    "all_gather_object",
     "raise_on_any_rank",
 ]
 
@@ -178,7 +179,16 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, bucket_b
         flush(key)
 
 
-def raise_on_any_rank(error: str | None, *, what: str) -> None:
+def all_gather_object(obj: T) -> list[T]:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` in a world of one."""
+    if not _active():
+        return [obj]
+    objects: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def raise_on_any_rank(error: str | None, *, what: str, error_type: type[Exception] = RuntimeError) -> None:
     """Meet every rank; if any reports an error, raise it on all of them.
 
     Use after a step that may fail on some ranks only (a full disk, a bad path): the failing rank
@@ -187,17 +197,16 @@ def raise_on_any_rank(error: str | None, *, what: str) -> None:
     Args:
         error: this rank's error text, or None when it succeeded.
         what: the operation, for the message.
+        error_type: the exception raised (the same on every rank).
 
     Raises:
-        RuntimeError: naming the first failing rank, its error and how many ranks failed.
+        RuntimeError: (or ``error_type``) naming the first failing rank, its error and how many ranks failed.
     """
     if not _active():
         if error:
-            raise RuntimeError(f"{what} failed: {error}")
+            raise error_type(f"{what} failed: {error}")
         return
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    failed = [(rank, e) for rank, e in enumerate(all_gather_object(error)) if e]
     if failed:
         rank, first = failed[0]
-        raise RuntimeError(f"{what} failed on {len(failed)} rank(s); rank {rank}: {first}")
+        raise error_type(f"{what} failed on {len(failed)} rank(s); rank {rank}: {first}")

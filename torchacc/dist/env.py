@@ -7,10 +7,13 @@ CUDA tensors (with gloo beside it for CPU tensors), gloo on a CPU-only machine.
 
 import atexit
 import os
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .._logging import warn_once
 
 __all__ = [
     "init_distributed",
@@ -79,17 +82,59 @@ def init_distributed(*, timeout: float = 1800.0) -> bool:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout))
+    store = _restart_store(timedelta(seconds=timeout))
+    rendezvous = {} if store is None else {"store": store, "rank": rank(), "world_size": world_size()}
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), **rendezvous)
     # A process that exits with a live gloo/NCCL group can abort in the C++ teardown
     # ("terminate called without an active exception"), turning a finished run into a failed job.
     atexit.register(teardown)
     return True
 
 
+_num_starts = 0
+
+
+def _restart_store(timeout: timedelta) -> dist.Store | None:
+    """A key space of its own for a restarted torchrun attempt on one node, or None to use the default store."""
+    # [Note: elastic restarts] torchrun shares its rendezvous TCPStore with the workers
+    # (TORCHELASTIC_USE_AGENT_STORE) without separating successive attempts, so a restarted worker
+    # can read a peer's gloo/NCCL address from the failed attempt and fail with "Connection refused"
+    # (pytorch/pytorch#135712, #167288). On one node every worker sees the same restart count, so it
+    # prefixes the keys. Across nodes the counts may differ (an agent restarts its workers without
+    # counting when another node failed); there torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    global _num_starts
+    _num_starts += 1
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or (attempt == "0" and _num_starts == 1):
+        return None
+    if attempt == "0":
+        # A second start in the same processes (after teardown()): every rank counts its starts alike, on
+        # every node, so the count separates the key spaces where the restart count cannot.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(), is_master=False, timeout=timeout
+        )
+        return dist.PrefixStore(f"torchacc/start-{_num_starts}", store)
+    if world_size() != local_world_size():
+        warn_once(
+            "torchrun restarted this multi-node job with its shared rendezvous store, whose keys from the failed "
+            "attempt can break the new process group; launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"torchacc/attempt-{attempt}/start-{_num_starts}", store)
+
+
 def teardown() -> None:
     """Destroy the process group torchacc started (safe to call twice, or when none is running)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # Groups still referenced (by the FSDP mesh) keep their gloo worker threads until interpreter
+        # shutdown. A worker still releasing its last finished work then needs the GIL during
+        # finalization and aborts the process ("terminate called without an active exception",
+        # seen under CPU load; pytorch/pytorch#179291). Releasing the GIL a moment lets it finish.
+        time.sleep(0.1)
 
 
 def is_distributed() -> bool:

@@ -46,7 +46,7 @@ def resolve_module_classes(model: nn.Module, names: Iterable[str], *, what: str)
     if missing:
         raise ValueError(
             f"{what}: no module of class {', '.join(repr(m) for m in missing)} in {type(model).__name__}; "
-            f"the model contains: {', '.join(sorted(by_name))}"
+            f"the model contains: {', '.join(sorted(by_name))}; set {what} to names from this list"
         )
     return {by_name[name] for name in names}
 

@@ -1,0 +1,18 @@
+"""Named set-ups for doc snippets that show an insertion into an existing script (``setup=NAME``).
+
+Each function fills a block's namespace with what the surrounding script would have defined.
+"""
+
+from typing import Any
+
+
+def gpt2(namespace: dict[str, Any]) -> None:
+    """``torch``, a tiny GPT-2 ``model`` and a ``loader`` of 16 random token sequences (batches of 4)."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 32))]
+    namespace.update(torch=torch, model=model, loader=DataLoader(data, batch_size=4, shuffle=True))

@@ -1,0 +1,552 @@
+"""Bad input, one process: every wrong input raises an error that names the field or file and says how to fix it.
+
+The table is complete on its own (some cases re-check what tests/unit covers). Each case is a function of a
+``Ctx`` (a temporary directory and pytest's monkeypatch) that must raise ``exc`` matching ``match``.
+Multi-rank behaviour of these errors (every rank raises the same one) is in test_rank_failures.py.
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from _models import TinyNet
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, SubsetRandomSampler
+
+import torchacc
+from torchacc.config import ComputeConfig
+from torchacc.data import shard_dataloader
+from torchacc.dist import env
+from torchacc.sharded_state import FORMAT
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    monkeypatch: pytest.MonkeyPatch
+
+
+@dataclass
+class Case:
+    name: str
+    exc: type[BaseException]
+    match: str
+    trigger: Callable[[Ctx], Any]
+
+
+def config(**fields: Any) -> torchacc.Config:
+    """A Config with dotted-path fields set by attribute, as a user would."""
+    cfg = torchacc.Config()
+    for path, value in fields.items():
+        *parents, name = path.split("__")
+        node = cfg
+        for parent in parents:
+            node = getattr(node, parent)
+        setattr(node, name, value)
+    return cfg
+
+
+def validate(world_size: int = 4, **fields: Any) -> Callable[[Ctx], None]:
+    return lambda ctx: config(**fields).validate(world_size)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def a_file(ctx: Ctx) -> Path:
+    """A regular file, so that any path below it cannot be created, even by root."""
+    return write(ctx.tmp / "a-file", "not a directory")
+
+
+def samples(n: int = 8) -> list[torch.Tensor]:
+    return [torch.full((16,), float(i)) for i in range(n)]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from samples()
+
+
+def write_shard_set(directory: Path, ranks: dict[int, int]) -> str:
+    """Hand-made per-rank files of a 2-parameter model: ``{rank: world_size}``; returns their glob."""
+    full = torch.arange(8.0).reshape(4, 2)
+    for rank, world in ranks.items():
+        rows = 4 // world
+        rows_here = full[rank * rows : (rank + 1) * rows].clone()
+        tensors = {
+            "w": {"kind": "param", "shape": [4, 2], "dtype": "torch.float32", "placements": ["shard:0"]},
+            "b": {"kind": "param", "shape": [2], "dtype": "torch.float32", "placements": ["replicate"]},
+        }
+        tensors["w"].update(offset=[rank * rows, 0], local_shape=list(rows_here.shape))
+        tensors["b"].update(offset=[0], local_shape=[2])
+        mesh = {"shape": [world], "dim_names": ["fsdp"], "coordinate": [rank]}
+        meta = {"format": FORMAT, "world_size": world, "rank": rank, "mesh": mesh, "tensors": tensors}
+        torch.save({"model": {"w": rows_here, "b": torch.ones(2)}, "shard_metadata": meta}, directory / f"r{rank}.pth")
+    return str(directory / "r*.pth")
+
+
+def consolidate_shards(ranks: dict[int, int]) -> Callable[[Ctx], Any]:
+    return lambda ctx: torchacc.consolidate(write_shard_set(ctx.tmp, ranks))
+
+
+def duplicate_shard(ctx: Ctx) -> None:
+    pattern = write_shard_set(ctx.tmp, {0: 2, 1: 2})
+    (ctx.tmp / "r1-copy.pth").write_bytes((ctx.tmp / "r1.pth").read_bytes())
+    torchacc.consolidate(pattern)
+
+
+def saved_checkpoint(ctx: Ctx, model: torch.nn.Module | None = None) -> Path:
+    torchacc.save_checkpoint(ctx.tmp / "ckpt", model=model or TinyNet())
+    return ctx.tmp / "ckpt"
+
+
+def accelerated(ctx: Ctx) -> torch.nn.Module:
+    return torchacc.accelerate(TinyNet())
+
+
+def loader_state_mismatch(ctx: Ctx) -> None:
+    saved = shard_dataloader(DataLoader(samples(), batch_size=2), num_replicas=1, rank=0, device=torch.device("cpu"))
+    other = shard_dataloader(DataLoader(samples(), batch_size=4), num_replicas=1, rank=0, device=torch.device("cpu"))
+    other.load_state_dict(saved.state_dict())
+
+
+def dangling_latest(ctx: Ctx) -> None:
+    directory = saved_checkpoint(ctx)
+    write(directory / "latest", "checkpoint-9")
+    torchacc.resume_latest(directory, TinyNet())
+
+
+def strategy_dangling_latest(ctx: Ctx) -> None:
+    directory = saved_checkpoint(ctx)
+    write(directory / "latest", "global_step9")
+    torchacc.FSDP2Strategy().load_ckpt(TinyNet(), directory)
+
+
+def partial_torchrun_env(ctx: Ctx) -> None:
+    ctx.monkeypatch.setenv("WORLD_SIZE", "2")
+    env.init_distributed()
+
+
+def non_integer_rank(ctx: Ctx) -> None:
+    ctx.monkeypatch.setenv("RANK", "zero")
+    env.rank()
+
+
+def strategy_batch_sizes(ctx: Ctx) -> None:
+    torchacc.FSDP2Strategy(micro_train_batch_size=2, train_batch_size=3).setup_environment()
+
+
+def yaml_file(ctx: Ctx, data: Any) -> Path:
+    return write(ctx.tmp / "run.yaml", yaml.safe_dump(data))
+
+
+CASES = [
+    # --- config values and cross-field rules (validate) ---
+    Case(
+        "bf16-and-fp16",
+        ValueError,
+        "compute.bf16 and compute.fp16 are both True.*set one to False",
+        validate(compute__bf16=True, compute__fp16=True),
+    ),
+    Case(
+        "fsdp-size-does-not-divide-world",
+        ValueError,
+        r"dist.fsdp.size=3 does not divide world size 4; choose a divisor of 4: 1, 2, 4",
+        validate(dist__fsdp__size=3),
+    ),
+    Case(
+        "fsdp-size-exceeds-world",
+        ValueError,
+        "dist.fsdp.size=8 exceeds world size 4; choose a divisor",
+        validate(dist__fsdp__size=8),
+    ),
+    Case(
+        "fsdp-size-zero",
+        ValueError,
+        "dist.fsdp.size must be >= 1, got 0; use 1 to disable sharding",
+        validate(dist__fsdp__size=0),
+    ),
+    Case(
+        "dp-times-fsdp-is-not-world",
+        ValueError,
+        r"dist.dp.size \* dist.fsdp.size must equal world size 4.*"
+        r"set dist.dp.size=2",
+        validate(dist__fsdp__size=2, dist__dp__size=3),
+    ),
+    Case(
+        "topology-not-a-permutation",
+        ValueError,
+        r"dist.topology must be a permutation of \['dp', 'fsdp'\]",
+        validate(dist__topology=["dp", "tp"]),
+    ),
+    Case(
+        "timeout-not-positive",
+        ValueError,
+        "dist.timeout must be > 0 seconds, got 0.0; the default is 1800",
+        validate(dist__timeout=0.0),
+    ),
+    Case(
+        "gc-cnt-zero",
+        ValueError,
+        "memory.gc_cnt must be None or >= 1, got 0",
+        validate(memory__gc=True, memory__gc_cnt=0, dist__fsdp__wrap_layer_cls={"Block"}),
+    ),
+    Case(
+        "gc-cls-without-gc",
+        ValueError,
+        "memory.gc_cls={'Block'} is set but memory.gc is False; set memory.gc=True",
+        validate(memory__gc_cls={"Block"}),
+    ),
+    Case("gc-interval-zero", ValueError, "memory.gc_interval must be >= 1, got 0", validate(memory__gc_interval=0)),
+    Case(
+        "gc-with-nothing-to-checkpoint",
+        ValueError,
+        "nothing would be checkpointed; set one of them",
+        validate(memory__gc=True),
+    ),
+    Case(
+        "negative-prefetch",
+        ValueError,
+        "dist.fsdp.forward_prefetch must be >= 0, got -1",
+        validate(dist__fsdp__forward_prefetch=-1),
+    ),
+    Case(
+        "unknown-reduce-dtype",
+        ValueError,
+        "dist.fsdp.reduce_dtype='int8' is not supported; use 'float32'",
+        validate(dist__fsdp__reduce_dtype="int8"),
+    ),
+    Case(
+        "reshard-group-not-a-divisor",
+        ValueError,
+        "dist.fsdp.reshard_after_forward=3 must be True, False or a "
+        "divisor of dist.fsdp.size=4.*possible values: \\[2\\]",
+        validate(dist__fsdp__size=4, dist__fsdp__reshard_after_forward=3),
+    ),
+    Case("world-size-argument", ValueError, "world_size must be an int >= 1, got 0", validate(world_size=0)),
+    # --- config types and keys, from code, dicts, YAML and the command line ---
+    Case(
+        "wrong-type-assigned",
+        ValueError,
+        r"dist.fsdp.size: expected int, got '2' \(str\); use an integer",
+        validate(dist__fsdp__size="2"),
+    ),
+    Case(
+        "wrong-type-constructed",
+        ValueError,
+        r"compute.bf16: expected bool, got 'yes' \(str\); use True or False",
+        lambda ctx: ComputeConfig(bf16="yes"),
+    ),
+    Case(
+        "typo-in-attribute",
+        AttributeError,
+        "compute.bf61: unknown key.*did you mean compute.bf16",
+        lambda ctx: setattr(torchacc.Config().compute, "bf61", True),
+    ),
+    Case(
+        "unknown-key-in-dict",
+        ValueError,
+        "dist.fsdp.sise: unknown key; valid keys under dist.fsdp.*did you mean dist.fsdp.size",
+        lambda ctx: torchacc.Config.from_dict({"dist": {"fsdp": {"sise": 2}}}),
+    ),
+    Case(
+        "section-not-a-mapping",
+        ValueError,
+        "dist: expected a mapping with keys dp, fsdp",
+        lambda ctx: torchacc.Config.from_dict({"dist": 3}),
+    ),
+    Case(
+        "unknown-key-in-yaml",
+        ValueError,
+        r"compute.bf61: unknown key.*did you mean compute.bf16\?.*\(in .*run.yaml\)",
+        lambda ctx: torchacc.Config.from_yaml(yaml_file(ctx, {"compute": {"bf61": True}})),
+    ),
+    Case(
+        "wrong-type-in-yaml",
+        ValueError,
+        r"dist.fsdp.size: expected int, got 'two'.*\(in .*run.yaml\)",
+        lambda ctx: torchacc.Config.from_yaml(yaml_file(ctx, {"dist": {"fsdp": {"size": "two"}}})),
+    ),
+    Case(
+        "missing-yaml-file",
+        FileNotFoundError,
+        "nope.yaml",
+        lambda ctx: torchacc.Config.from_yaml(ctx.tmp / "nope.yaml"),
+    ),
+    Case(
+        "unknown-key-on-cli",
+        ValueError,
+        "compte: unknown key; valid keys at the top level.*did you mean compute",
+        lambda ctx: torchacc.Config.from_cli(["compte.bf16=true"]),
+    ),
+    Case(
+        "cli-argument-not-key-value",
+        ValueError,
+        "'dist.fsdp.size': expected KEY=VALUE such as dist.fsdp.size=2",
+        lambda ctx: torchacc.Config.from_cli(["dist.fsdp.size"]),
+    ),
+    Case(
+        "cli-value-not-yaml",
+        ValueError,
+        re.escape("'dist.fsdp.size=[1,': the value is not valid YAML"),
+        lambda ctx: torchacc.Config.from_cli(["dist.fsdp.size=[1,"]),
+    ),
+    # --- accelerate(): model, dataloader, optimizer ---
+    Case(
+        "wrap-class-not-in-model",
+        ValueError,
+        "dist.fsdp.wrap_layer_cls: no module of class 'GPT2Block' in TinyNet; "
+        "the model contains: Block, Linear, ModuleList, TinyNet; set dist.fsdp.wrap_layer_cls to names",
+        lambda ctx: torchacc.accelerate(TinyNet(), config=config(dist__fsdp__wrap_layer_cls={"GPT2Block"})),
+    ),
+    Case(
+        "checkpoint-class-not-in-model",
+        ValueError,
+        "memory.gc_cls: no module of class 'Nope' in TinyNet",
+        lambda ctx: torchacc.accelerate(TinyNet(), config=config(memory__gc=True, memory__gc_cls={"Nope"})),
+    ),
+    Case(
+        "model-not-a-module",
+        TypeError,
+        "model must be a torch.nn.Module, got str",
+        lambda ctx: torchacc.accelerate("model"),
+    ),
+    Case(
+        "config-not-a-config",
+        TypeError,
+        "config must be a torchacc.Config, got dict; build one with",
+        lambda ctx: torchacc.accelerate(TinyNet(), config={"compute": {}}),
+    ),
+    Case(
+        "dataloader-not-a-dataloader",
+        TypeError,
+        r"dataloader must be a torch.utils.data.DataLoader or None, got "
+        r"list; wrap your dataset: DataLoader\(dataset",
+        lambda ctx: torchacc.accelerate(TinyNet(), samples()),
+    ),
+    Case(
+        "iterable-dataset",
+        ValueError,
+        r"cannot split an iterable dataset \(Stream\).*config.dataloader.shard=False",
+        lambda ctx: torchacc.accelerate(TinyNet(), DataLoader(Stream(), batch_size=2)),
+    ),
+    Case(
+        "custom-sampler",
+        ValueError,
+        r"custom sampler \(SubsetRandomSampler\). torchacc replaces the sampler.*shard=False",
+        lambda ctx: torchacc.accelerate(TinyNet(), DataLoader(samples(), sampler=SubsetRandomSampler([0, 1]))),
+    ),
+    Case(
+        "sampler-over-part-of-the-dataset",
+        ValueError,
+        r"custom sampler \(SequentialSampler\)",
+        lambda ctx: torchacc.accelerate(TinyNet(), DataLoader(samples(), sampler=SequentialSampler(range(3)))),
+    ),
+    Case(
+        "optimizer-of-another-model",
+        ValueError,
+        "not parameters of TinyNet.*build the optimizer from model.param",
+        lambda ctx: torchacc.accelerate(TinyNet(), optimizer=torch.optim.SGD(TinyNet().parameters(), lr=0.1)),
+    ),
+    Case(
+        "model-accelerated-twice",
+        ValueError,
+        "TinyNet is already accelerated.*once per model",
+        lambda ctx: torchacc.accelerate(accelerated(ctx)),
+    ),
+    Case(
+        "compile-without-wrap-classes",
+        ValueError,
+        "compute.compile=True compiles each dist.fsdp.wrap_layer_cls block; set wrap_layer_cls too",
+        lambda ctx: torchacc.accelerate(TinyNet(), config=config(compute__compile=True)),
+    ),
+    Case(
+        "dataloader-state-of-another-loader",
+        ValueError,
+        r"batch_size \(saved 2, current 4\).*Build the DataLoader",
+        loader_state_mismatch,
+    ),
+    # --- the launch environment ---
+    Case(
+        "partial-torchrun-environment",
+        ValueError,
+        "WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER_PORT is not: launch with `torchrun",
+        partial_torchrun_env,
+    ),
+    Case(
+        "non-integer-rank",
+        ValueError,
+        "environment variable RANK='zero' is not an integer; launch with torchrun",
+        non_integer_rank,
+    ),
+    # --- checkpoint files and directories ---
+    Case(
+        "load-missing-file",
+        FileNotFoundError,
+        "no checkpoint file at .*nope.pth",
+        lambda ctx: torchacc.load(ctx.tmp / "nope.pth"),
+    ),
+    Case(
+        "load-not-a-checkpoint",
+        ValueError,
+        r"notes.txt: cannot be read as a torch checkpoint \(truncated or corrupt",
+        lambda ctx: torchacc.load(write(ctx.tmp / "notes.txt", "hello")),
+    ),
+    Case(
+        "save-into-missing-directory",
+        RuntimeError,
+        r"the directory '.*/no/such' does not exist; create it first "
+        r"\(os.makedirs\)",
+        lambda ctx: torchacc.save({"x": torch.ones(1)}, ctx.tmp / "no" / "such" / "m.pth"),
+    ),
+    Case(
+        "save-below-a-file",
+        RuntimeError,
+        "torchacc.save.*a-file/m.pth.*'.*a-file' is a file, not a directory, so .*a-file/m.pth' cannot be written; fix",
+        lambda ctx: torchacc.save({"x": torch.ones(1)}, a_file(ctx) / "m.pth"),
+    ),
+    Case(
+        "save-checkpoint-below-a-file",
+        RuntimeError,
+        r"save_checkpoint\('.*a-file/ckpt'\) failed: '.*a-file' is a file, not a directory, so .*a-file/ckpt' "
+        "cannot be written; fix the path",
+        lambda ctx: torchacc.save_checkpoint(a_file(ctx) / "ckpt", model=TinyNet()),
+    ),
+    Case(
+        "save-checkpoint-tag-with-slash",
+        ValueError,
+        "tag='../x' is not a plain directory name; use e.g. 'checkpoint-7'",
+        lambda ctx: torchacc.save_checkpoint(ctx.tmp, model=TinyNet(), tag="../x"),
+    ),
+    Case(
+        "save-checkpoint-plain-dataloader",
+        ValueError,
+        "dataloader= must have state_dict.*got DataLoader; pass the loader returned by torchacc.accelerate",
+        lambda ctx: torchacc.save_checkpoint(ctx.tmp, model=TinyNet(), dataloader=DataLoader(samples())),
+    ),
+    Case(
+        "save-checkpoint-extra-not-a-dict",
+        ValueError,
+        "extra= must be a dict of picklable values, got list",
+        lambda ctx: torchacc.save_checkpoint(ctx.tmp, model=TinyNet(), extra=[1]),
+    ),
+    Case(
+        "load-checkpoint-missing-directory",
+        FileNotFoundError,
+        "no complete checkpoint at .*nowhere.*pass the directory given to save_checkpoint",
+        lambda ctx: torchacc.load_checkpoint(ctx.tmp / "nowhere", model=TinyNet()),
+    ),
+    Case(
+        "load-checkpoint-into-another-model",
+        ValueError,
+        r"the model does not match the checkpoint: missing \[\], "
+        r"unexpected \['blocks.2.fc1.bias'",
+        lambda ctx: torchacc.load_checkpoint(saved_checkpoint(ctx), model=TinyNet(num_blocks=2)),
+    ),
+    Case(
+        "load-checkpoint-optimizer-not-saved",
+        ValueError,
+        "no optimizer state was saved in this checkpoint; do not pass optimizer=",
+        lambda ctx: torchacc.load_checkpoint(
+            saved_checkpoint(ctx), model=(m := TinyNet()), optimizer=torch.optim.SGD(m.parameters(), lr=0.1)
+        ),
+    ),
+    Case(
+        "resume-from-dangling-latest",
+        FileNotFoundError,
+        "latest names 'checkpoint-9', which is not a complete checkpoint.*load an earlier checkpoint-N",
+        dangling_latest,
+    ),
+    Case(
+        "strategy-resume-from-dangling-latest",
+        FileNotFoundError,
+        "latest names 'global_step9', which is not a complete checkpoint",
+        strategy_dangling_latest,
+    ),
+    # --- per-rank shard sets (offline consolidation) ---
+    Case(
+        "shard-set-missing-rank",
+        ValueError,
+        r"missing rank\(s\) \[1\] of a 2-rank checkpoint.*copy the missing",
+        consolidate_shards({0: 2}),
+    ),
+    Case(
+        "shard-set-duplicate-rank",
+        ValueError,
+        "duplicate rank 1: .*r1-copy.pth and .*r1.pth; keep one run's files",
+        duplicate_shard,
+    ),
+    Case(
+        "shard-set-foreign-rank",
+        ValueError,
+        "r2.pth: rank 2 does not belong to a 2-rank checkpoint.*remove it",
+        consolidate_shards({0: 2, 1: 2, 2: 2}),
+    ),
+    Case(
+        "shard-set-mixed-world-sizes",
+        ValueError,
+        "mixed world sizes: .* is from a 2-rank run but .* is from a 1-rank run; keep one run's files per directory",
+        consolidate_shards({0: 2, 1: 1}),
+    ),
+    Case(
+        "shard-set-no-files",
+        ValueError,
+        "no checkpoint files match .*nothing-.*; check the directory",
+        lambda ctx: torchacc.consolidate(str(ctx.tmp / "nothing-*.pth")),
+    ),
+    Case(
+        "consolidate-unknown-format",
+        ValueError,
+        "fmt='onnx' is not supported; use 'torch' or 'safetensors'",
+        lambda ctx: torchacc.consolidate("x", fmt="onnx"),
+    ),
+    # --- the strategy API and collectives ---
+    Case(
+        "strategy-unknown-sharding",
+        ValueError,
+        "sharding_strategy='FOO' is not one of FULL_SHARD",
+        lambda ctx: torchacc.FSDP2Strategy(sharding_strategy="FOO"),
+    ),
+    Case(
+        "strategy-batch-sizes-do-not-divide",
+        ValueError,
+        "train_batch_size=3 is not a multiple of micro_train_batch_size=2.*choose a multiple",
+        strategy_batch_sizes,
+    ),
+    Case(
+        "strategy-tensor-parallel",
+        ValueError,
+        "tensor_parallel_size=2: torchacc does not do tensor parallelism",
+        lambda ctx: torchacc.FSDP2Strategy(tensor_parallel_size=2),
+    ),
+    Case(
+        "all-reduce-unknown-op",
+        ValueError,
+        "op='avg' is not supported; use one of 'sum', 'mean'",
+        lambda ctx: torchacc.dist.all_reduce(torch.ones(1), op="avg"),
+    ),
+]
+
+
+def test_the_table_has_at_least_30_distinct_cases():
+    assert len({case.name for case in CASES}) == len(CASES) >= 30
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_is_named_with_a_fix(case, tmp_path, monkeypatch):
+    with pytest.raises(case.exc, match=case.match):
+        case.trigger(Ctx(tmp_path, monkeypatch))
+
+
+def test_a_consistent_hand_made_shard_set_consolidates(tmp_path):
+    """The shard-set cases above fail for the reason named, not because the hand-made files are malformed."""
+    full = torchacc.consolidate(write_shard_set(tmp_path, {0: 2, 1: 2}))["model"]
+    assert torch.equal(full["w"], torch.arange(8.0).reshape(4, 2))

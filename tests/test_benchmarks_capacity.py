@@ -1,0 +1,18 @@
+"""The capacity benchmark still runs: one tiny attempt per contender (figures are not checked)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "capacity.py"
+
+
+def test_capacity_quick():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| ddp | 1 |" in proc.stdout and "| torchacc | 1 |" in proc.stdout, proc.stdout
+    assert "torchacc / DDP parameters:" in proc.stdout

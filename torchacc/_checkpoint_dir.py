@@ -1,0 +1,115 @@
+"""The directory side of ``save_checkpoint``: arguments, tags, the ``latest`` pointer, publishing, leftovers.
+
+See [Note: checkpoint atomicity] in ``torchacc/checkpoint.py``; all but ``check_save_args`` run on rank 0.
+"""
+
+import os
+import re
+import shutil
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .serialization import atomic_write, describe_os_error, fsync_dir
+
+__all__ = ["LATEST", "check_save_args", "next_tag", "clean_leftovers", "publish"]
+__all__ += ["describe_failure", "find_short_file", "write_text"]
+
+LATEST = "latest"
+TAG = re.compile(r"^checkpoint-(\d+)$")
+LEFTOVER = re.compile(r"^\.(.+)\.(incomplete|replaced)$")
+
+
+def check_save_args(model: Any, scheduler: Any, dataloader: Any, extra: Any, tag: Any) -> None:
+    """Raise on arguments that would fail later on some ranks only or half-way through a save."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
+        if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            hint = "the loader returned by torchacc.accelerate()" if name == "dataloader" else "an LR scheduler"
+            raise ValueError(
+                f"{name}= must have state_dict() and load_state_dict(), got {type(obj).__name__}; pass {hint}"
+            )
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra= must be a dict of picklable values, got {type(extra).__name__}")
+    if tag is not None and (
+        not isinstance(tag, str) or not tag or tag.startswith(".") or tag == LATEST or "/" in tag or os.sep in tag
+    ):
+        raise ValueError(
+            f"tag={tag!r} is not a plain directory name; use e.g. 'checkpoint-7' (no '/', not starting with '.', "
+            f"not {LATEST!r})"
+        )
+
+
+def next_tag(directory: str) -> str:
+    """``checkpoint-<n+1>`` for the highest ``checkpoint-<n>`` in ``directory``."""
+    numbers = [int(m.group(1)) for name in os.listdir(directory) if (m := TAG.match(name))]
+    return f"checkpoint-{max(numbers, default=0) + 1}"
+
+
+def clean_leftovers(directory: str) -> None:
+    """Remove what killed saves left behind; restore a checkpoint moved aside by an interrupted re-save."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(f"{LATEST}.tmp-"):
+            os.remove(path)
+        elif m := LEFTOVER.match(name):
+            target = os.path.join(directory, m.group(1))
+            if m.group(2) == "replaced" and not os.path.exists(target):
+                os.replace(path, target)
+            else:
+                shutil.rmtree(path)
+
+
+def publish(directory: str, tag: str, staging: str, final: str) -> None:
+    """Rename the finished staging directory to ``final``, then move ``latest`` to it (rank 0)."""
+    replaced = os.path.join(directory, f".{tag}.replaced")
+    if os.path.exists(final):
+        os.replace(final, replaced)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if os.path.exists(replaced):
+            os.replace(replaced, final)
+        raise
+    fsync_dir(directory)
+    latest = os.path.join(directory, LATEST)
+    try:
+        atomic_write(latest, lambda tmp: write_text(tmp, tag))
+    except OSError as exc:
+        exc.filename = exc.filename or latest  # a write() error names no file
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def describe_failure(exc: BaseException, path: str) -> str:
+    """The first underlying error of a failed DCP call (any rank), as one line naming ``path``."""
+    prefix = ""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (exc, _) = min(exc.failures.items(), key=lambda item: item[0])
+        prefix = f"rank {rank}: "
+    if isinstance(exc, OSError):
+        return prefix + describe_os_error(exc, exc.filename or path)
+    return f"{prefix}{type(exc).__name__}: {exc}"
+
+
+def find_short_file(path: str, metadata: Any) -> str | None:
+    """Name a data file of the DCP checkpoint ``path`` that is missing or shorter than its metadata says."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual is None or actual < size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            return f"{file}: {found}, but the checkpoint's .metadata needs {size} bytes (truncated?); restore the file"
+    return None
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to the file ``path``."""
+    with open(path, "w") as f:
+        f.write(text)
