@@ -248,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="malloc settings to measure under, one after the other (default: glibc mmap64k; quick: glibc)",
     )
     p.add_argument("--no-dp", action="store_true", help="skip the replicated (DP) contrast run (quick skips it)")
-    p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"))
+    p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"), help="PNG path; raw JSON beside it")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -295,8 +295,9 @@ def main() -> None:
         f"\nunits (params): {first['units']}; baseline peak RSS {min(r['train_hwm'] for r in base) / GB:.3f}-"
         f"{max(r['train_hwm'] for r in base) / GB:.3f} GB; peak reset: {all(r['hwm_reset'] for r in results)}"
     )
-    os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "memory.json"), "w") as f:
+    raw = os.path.splitext(args.plot)[0] + ".json"  # the raw results, next to the plot
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+    with open(raw, "w") as f:
         json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)
     path = plot(points, args.plot)
     print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed)")

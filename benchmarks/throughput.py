@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allocator", choices=list(ALLOCATORS), default="glibc", help="malloc setting of the ranks")
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--plot", default=os.path.join(OUT_DIR, "throughput.png"))
+    p.add_argument("--plot", default=os.path.join(OUT_DIR, "throughput.png"), help="PNG path; raw JSON beside it")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else len(CONTENDERS))
@@ -530,8 +530,9 @@ def main() -> None:
             f"loader, per batch: torchacc {loader['torchacc']:.1f} us, hand-written {loader['fsdp2']:.1f} us; the "
             f"difference ({extra:+.1f} us) is {extra / 1e3 / step_ms:+.3%} of the shortest (b) step ({step_ms:.0f} ms)"
         )
-    os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "throughput.json"), "w") as f:
+    raw = os.path.splitext(args.plot)[0] + ".json"  # the raw results, next to the plot
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+    with open(raw, "w") as f:
         json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)
     path = plot(med, args.plot, args.nproc)
     print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed)")
