@@ -51,17 +51,17 @@ def launch(
     raise AssertionError("unreachable")
 
 
-class _PortTaken(AssertionError):
-    """Another process took the free port between our probe and the rendezvous; try another one."""
+def spawn_ranks(
+    target: str, world_size: int, out_dir: Path, *, args: tuple = (), local_world_size: int | None = None
+) -> list[tuple[subprocess.Popen, Any]]:
+    """Start one process per rank with torchrun's environment; return ``(process, open log file)`` pairs.
 
-
-def _launch_once(
-    target: str, world_size: int, out_dir: Path, timeout: float, args: tuple, local_world_size: int | None
-) -> list[Any]:
+    Each rank's output goes to ``out_dir/rank<r>.log`` and its return value to ``out_dir/rank<r>.pt``.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = []
     per_node = local_world_size or world_size
+    procs = []
     for rank in range(world_size):
         env = {
             **os.environ,
@@ -75,9 +75,20 @@ def _launch_once(
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
-        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - the caller closes it
         cmd = [sys.executable, str(_WORKER), target, str(out_dir / f"rank{rank}.pt"), *map(str, args)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+class _PortTaken(AssertionError):
+    """Another process took the free port between our probe and the rendezvous; try another one."""
+
+
+def _launch_once(
+    target: str, world_size: int, out_dir: Path, timeout: float, args: tuple, local_world_size: int | None
+) -> list[Any]:
+    procs = spawn_ranks(target, world_size, out_dir, args=args, local_world_size=local_world_size)
     deadline = time.monotonic() + timeout
     failed = []
     for rank, (proc, log) in enumerate(procs):

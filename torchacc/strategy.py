@@ -208,21 +208,25 @@ class FSDP2Strategy(StrategyCheckpointMixin):
 
     @property
     def world_size(self) -> int:
+        """Number of processes in the job."""
         self._ready()
         return env.world_size()
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the job."""
         self._ready()
         return env.rank()
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node."""
         self._ready()
         return env.local_rank()
 
     @property
     def is_global_zero(self) -> bool:
+        """True on global rank 0."""
         return self.global_rank == 0
 
     # --- model -----------------------------------------------------------------------------------

@@ -29,6 +29,16 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
+def _full_state_on_rank0(model: nn.Module) -> dict[str, Any]:
+    """Gather every tensor (a collective: all ranks call it); rank 0 keeps CPU copies, the others ``{}``."""
+    full = {}
+    for key, value in model.state_dict().items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        if env.rank() == 0:
+            full[key] = value.detach().cpu()
+    return full
+
+
 class StrategyCheckpointMixin:
     """Checkpoint methods of ``FSDP2Strategy`` (see there for the constructor arguments they read)."""
 
@@ -48,15 +58,8 @@ class StrategyCheckpointMixin:
     def model_state_dict(self) -> dict[str, Any]:
         """The model's state: full CPU tensors on rank 0 (other ranks get ``{}``) for ``state_dict_type="full"``,
         this rank's DTensor shards for ``"sharded"``. Every rank must call it (full gathers)."""
-        state = self._require_model().state_dict()
-        if self.state_dict_type == "sharded":
-            return state
-        full = {}
-        for key, value in state.items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            if env.rank() == 0:
-                full[key] = value.detach().cpu()
-        return full
+        model = self._require_model()
+        return model.state_dict() if self.state_dict_type == "sharded" else _full_state_on_rank0(model)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Lightning's name for ``model_state_dict``."""
@@ -237,11 +240,7 @@ class StrategyCheckpointMixin:
         """
         from .hf import export_hf
 
-        state = {}
-        for key, value in model.state_dict().items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            if env.rank() == 0:
-                state[key] = value.detach().cpu()
+        state = _full_state_on_rank0(model)
         if env.rank() == 0:
             export_hf(state, output_dir, model, overwrite=True)
             if tokenizer is not None:

@@ -15,9 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _launch import free_port
-
-_WORKER = Path(__file__).resolve().parent.parent / "_worker_main.py"
+from _launch import spawn_ranks
 
 
 def kill_self() -> None:
@@ -101,23 +99,8 @@ def launch_failing(target: str, world_size: int, out_dir: Path, *, args: tuple =
     had exited, "logs": [log text per rank]}``; a launch still running after ``timeout`` is killed and fails
     the test (a hang).
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    port, procs, start = free_port(), [], time.monotonic()
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(_WORKER), target, str(out_dir / f"rank{rank}.pt"), *map(str, args)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    start = time.monotonic()
+    procs = spawn_ranks(target, world_size, out_dir, args=args)
     codes = []
     for proc, log in procs:
         try:
