@@ -13,6 +13,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ._zip import FileRange, copy_ranges
+
 __all__ = ["SAFETENSORS_DTYPES", "StreamingSafetensorsWriter"]
 
 SAFETENSORS_DTYPES = {
@@ -65,14 +67,28 @@ class StreamingSafetensorsWriter:
         self._file.write(struct.pack("<Q", len(encoded)))
         self._file.write(encoded)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``name``'s data; names must come in layout order."""
+    def _next(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         if not self._order or self._order[0] != name:
             raise AssertionError(f"expected {self._order[:1]}, got {name!r}")
-        shape, dtype = self._layout[name]
+        self._order.pop(0)
+        return self._layout[name]
+
+    def copy(self, name: str, ranges: list[FileRange]) -> None:
+        """Append ``name``'s data by copying ``ranges`` of other files (its bytes, in order)."""
+        shape, dtype = self._next(name)
+        size = sum(r.length for r in ranges)
+        if size != math.prod(shape) * dtype.itemsize:
+            raise AssertionError(f"{name}: {size} bytes != layout {tuple(shape)} {dtype}")
+        self._file.flush()
+        position = self._file.tell()
+        copy_ranges(ranges, self._file.fileno(), position)
+        self._file.seek(position + size)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``name``'s data; names must come in layout order."""
+        shape, dtype = self._next(name)
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise AssertionError(f"{name}: {tuple(tensor.shape)} {tensor.dtype} != layout {tuple(shape)} {dtype}")
-        self._order.pop(0)
         data = tensor.detach().cpu().contiguous()
         if data.numel():
             self._file.write(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no bytes copy

@@ -2,10 +2,10 @@
 
 ``torch.save`` needs every tensor in memory at once. Consolidating or resharding a checkpoint
 larger than RAM needs the opposite: know the layout (names, shapes, dtypes) up front, then produce
-and write each tensor and drop it. This writer does that with torch's own zip container
-(``torch._C.PyTorchFileWriter``): tensor records first, in any order, the pickled skeleton last.
-``torch.load`` (with or without ``mmap=True`` and ``weights_only=True``) reads the result like any
-other checkpoint; the round-trip tests guard the format.
+and write each tensor and drop it, or copy its bytes straight from the shard files. This writer does
+that in torch's zip container (see ``_zip``): the pickled skeleton first, then the tensor records in
+any order. ``torch.load`` (with or without ``mmap=True`` and ``weights_only=True``) reads the result
+like any other checkpoint; the round-trip tests guard the format.
 """
 
 import collections
@@ -17,6 +17,8 @@ import sys
 from typing import Any
 
 import torch
+
+from ._zip import FileRange, ZipWriter
 
 __all__ = ["TensorSlot", "StreamingTorchWriter"]
 
@@ -68,9 +70,9 @@ class StreamingTorchWriter:
         pickler = _Pickler(buffer, protocol=_PICKLE_PROTOCOL)
         pickler.dump(skeleton)
         self._collect(skeleton)
-        self._pickled = buffer.getvalue()
         self._written: set[str] = set()
-        self._writer = torch._C.PyTorchFileWriter(os.fspath(path))
+        self._writer = ZipWriter(path)
+        self._writer.add_bytes("data.pkl", buffer.getvalue())
 
     def _collect(self, obj: Any) -> None:
         if isinstance(obj, TensorSlot):
@@ -82,30 +84,41 @@ class StreamingTorchWriter:
             for value in obj:
                 self._collect(value)
 
+    def _claim(self, slot: TensorSlot) -> None:
+        if slot.key in self._written:
+            raise AssertionError(f"slot {slot.key} written twice")
+        self._written.add(slot.key)
+
     def write(self, slot: TensorSlot, tensor: torch.Tensor) -> None:
         """Write the data of ``slot``; ``tensor`` must match its shape and dtype."""
         if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
             raise AssertionError(f"{tuple(tensor.shape)} {tensor.dtype} does not fit slot {slot.shape} {slot.dtype}")
-        if slot.key in self._written:
-            raise AssertionError(f"slot {slot.key} written twice")
+        self._claim(slot)
         data = tensor.detach().cpu().contiguous()
-        num_bytes = data.numel() * data.element_size()
-        if data.storage_offset() != 0 or data.untyped_storage().nbytes() != num_bytes:
-            data = data.clone()  # a view into a larger storage: write only its own bytes
-        self._writer.write_record(f"data/{slot.key}", data.untyped_storage(), num_bytes)
-        self._written.add(slot.key)
+        self._writer.add_bytes(f"data/{slot.key}", data.reshape(-1).view(torch.uint8).numpy())
+
+    def copy(self, slot: TensorSlot, ranges: list[FileRange]) -> None:
+        """Write the data of ``slot`` by copying ``ranges`` of other files (its bytes, in order)."""
+        size = sum(r.length for r in ranges)
+        if size != slot.numel * slot.dtype.itemsize:
+            raise AssertionError(f"{size} bytes do not fit slot {slot.shape} {slot.dtype}")
+        self._claim(slot)
+        self._writer.add_ranges(f"data/{slot.key}", ranges)
 
     def close(self) -> None:
-        """Write the skeleton and the trailer; every slot must have been written."""
+        """Write the trailer records and the directory; every slot must have been written."""
         missing = sorted(set(self._slots) - self._written)
         if missing:
             raise AssertionError(f"{len(missing)} tensor slot(s) never written, first: {missing[0]}")
-        self._writer.write_record("data.pkl", self._pickled, len(self._pickled))
-        self._writer.write_record(".format_version", "1", 1)
-        alignment = str(torch.serialization._get_storage_alignment())
-        self._writer.write_record(".storage_alignment", alignment, len(alignment))
-        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        self._writer.write_end_of_file()
+        self._writer.add_bytes(".format_version", b"1")
+        self._writer.add_bytes(".storage_alignment", str(torch.serialization._get_storage_alignment()).encode())
+        self._writer.add_bytes("byteorder", sys.byteorder.encode())
+        self._writer.add_bytes("version", b"3\n")
+        self._writer.close()
+
+    def abort(self) -> None:
+        """Close the file unfinished (the caller removes it); a no-op after ``close``."""
+        self._writer.abort()
 
     def __enter__(self) -> "StreamingTorchWriter":
         return self
@@ -113,3 +126,5 @@ class StreamingTorchWriter:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self.abort()

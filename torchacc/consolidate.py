@@ -9,11 +9,11 @@ straight to a file (``return_state=False``, what the CLI does) needs about one t
 """
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from ._safetensors_format import StreamingSafetensorsWriter
@@ -73,40 +73,31 @@ def consolidate(
         raise ValueError("return_state=False needs out=: the result must go somewhere")
     if fmt == "safetensors" and section != "model":
         raise ValueError("safetensors holds a flat name -> tensor map; consolidate optimizer state with fmt='torch'")
-    shards = ShardSet(pattern, section=section, verify=verify)
+    # The tensor data's CRC-32 check runs in a thread beside the copying, and ends before any output is published.
+    shards = ShardSet(pattern, section=section, verify=verify, check_tensors_later=True)
     aliases = shards.aliases()
-    if not return_state:
+    if out is not None:  # from the files, not from the returned state: copying is faster than serializing
         writer = _write_safetensors if fmt == "safetensors" else _write_torch
-        atomic_write(out, lambda tmp: writer(shards, tmp, aliases, progress))
+
+        def write(tmp: str) -> None:
+            with shards.checking_tensors():
+                writer(shards, tmp, aliases, progress)
+
+        atomic_write(out, write)
+    if not return_state:
         return None
     state = shards.skeleton()
-    for item in _progress(shards.items, "consolidate", progress):
-        if item not in aliases:
-            _set(state, item.out_path, shards.full_tensor(item))
+    with shards.checking_tensors():
+        for item in _progress(shards.items, "consolidate", progress):
+            if item not in aliases:
+                _set(state, item.out_path, shards.full_tensor(item))
     for item, first in aliases.items():
         _set(state, item.out_path, get_path(state, first.out_path))
-    if out is not None:
-        if fmt == "safetensors":
-            from safetensors.torch import save_file
-
-            atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in _unalias(state).items()}, tmp))
-        else:
-            atomic_write(out, lambda tmp: torch.save({section: state}, tmp))
     return {section: state}
 
 
 def _set(obj: Any, path: tuple[str, ...], value: Any) -> None:
     get_path(obj, path[:-1])[path[-1]] = value
-
-
-def _unalias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: give every tied key its own copy."""
-    seen: set[int] = set()
-    out = {}
-    for key, value in state.items():
-        out[key] = value.clone() if id(value) in seen else value
-        seen.add(id(value))
-    return out
 
 
 def _slots(
@@ -133,13 +124,35 @@ def _write_torch(shards: ShardSet, path: str, aliases: dict[str, str], progress:
     with StreamingTorchWriter(path, {shards.section: skeleton}) as writer:
         for item in _progress(shards.items, "consolidate", progress):
             if item not in aliases:
-                writer.write(slots[item], shards.full_tensor(item))
+                _write_item(writer, slots[item], shards, item)
+
+
+def _write_item(
+    writer: StreamingTorchWriter,
+    slot: TensorSlot,
+    shards: ShardSet,
+    item: TensorItem,
+    rows: tuple[int, int] | None = None,
+) -> None:
+    """Write ``item``, or its dim-0 ``rows`` [start, stop), to ``slot``: copied file to file where possible."""
+    row_bytes = math.prod(item.shape[1:]) * item.dtype.itemsize
+    start, stop = (rows[0] * row_bytes, rows[1] * row_bytes) if rows else (0, item.num_bytes)
+    ranges = shards.byte_ranges(item, start, stop)
+    if ranges is not None:
+        writer.copy(slot, ranges)
+    else:
+        full = shards.full_tensor(item)
+        writer.write(slot, full[rows[0] : rows[1]] if rows else full)
 
 
 def _write_safetensors(shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None) -> None:
     writer = StreamingSafetensorsWriter(path, {item.out_path[0]: (item.shape, item.dtype) for item in shards.items})
     for item in _progress(shards.items, "consolidate", progress):
-        writer.write(item.out_path[0], shards.full_tensor(item))
+        ranges = shards.byte_ranges(item)
+        if ranges is not None:
+            writer.copy(item.out_path[0], ranges)
+        else:
+            writer.write(item.out_path[0], shards.full_tensor(item))
     writer.close()
 
 
@@ -218,46 +231,55 @@ def reshard_checkpoint(
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     src, dst = os.fspath(src), os.fspath(dst)
-    sets = [ShardSet(os.path.join(src, MODEL_PATTERN), section="model", verify=verify)]
+    sets = [ShardSet(os.path.join(src, MODEL_PATTERN), section="model", verify=verify, check_tensors_later=True)]
     if any(name.endswith("-optim.pth") for name in os.listdir(src)):
-        sets.append(ShardSet(os.path.join(src, OPTIM_PATTERN), section="optimizer", verify=verify))
+        optim = ShardSet(os.path.join(src, OPTIM_PATTERN), section="optimizer", verify=verify, check_tensors_later=True)
+        sets.append(optim)
     os.makedirs(dst, exist_ok=True)
-    written = []
-    for shards in sets:
-        kind = "model" if shards.section == "model" else "optim"
-        finals = [os.path.join(dst, f"rank-{r}-of-{num_shards}-{kind}.pth") for r in range(num_shards)]
-        _reshard_section(shards, finals, num_shards, progress)
-        written += finals
-    return written
-
-
-def _reshard_section(shards: ShardSet, finals: list[str], num_shards: int, progress: bool | None) -> None:
-    aliases = shards.aliases()
-    metas = [_resharded_metadata(shards, r, num_shards) for r in range(num_shards)]
-    tmps = [temp_path(path) for path in finals]
-    writers = []
-    try:
-        for meta, tmp in zip(metas, tmps, strict=True):
-            skeleton, slots = _slots(shards, aliases, meta)
-            writers.append((StreamingTorchWriter(tmp, {shards.section: skeleton, "shard_metadata": meta}), slots))
-        for item in _progress(shards.items, "reshard", progress):
-            if item in aliases:
-                continue
-            full = shards.full_tensor(item)
-            for meta, (writer, slots) in zip(metas, writers, strict=True):
-                writer.write(slots[item], _piece(full, item, meta))
-        for writer, _ in writers:
-            writer.close()
+    finals, tmps = [], []
+    try:  # every file of every section is complete and checked before the first one is published
+        for shards in sets:
+            kind = "model" if shards.section == "model" else "optim"
+            names = [os.path.join(dst, f"rank-{r}-of-{num_shards}-{kind}.pth") for r in range(num_shards)]
+            finals += names
+            tmps += [temp_path(path) for path in names]
+            _reshard_section(shards, tmps[-num_shards:], num_shards, progress)
         for tmp, final in zip(tmps, finals, strict=True):
             publish(tmp, final)
     finally:
         for tmp in tmps:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
+    return finals
 
 
-def _piece(full: torch.Tensor, item: TensorItem, meta: dict[str, Any]) -> torch.Tensor:
+def _reshard_section(shards: ShardSet, tmps: list[str], num_shards: int, progress: bool | None) -> None:
+    """Write the ``num_shards`` resharded files of one section to ``tmps``."""
+    aliases = shards.aliases()
+    metas = [_resharded_metadata(shards, r, num_shards) for r in range(num_shards)]
+    writers: list[tuple[StreamingTorchWriter, dict[TensorItem, TensorSlot]]] = []
+    try:
+        with shards.checking_tensors():
+            for meta, tmp in zip(metas, tmps, strict=True):
+                skeleton, slots = _slots(shards, aliases, meta)
+                writers.append((StreamingTorchWriter(tmp, {shards.section: skeleton, "shard_metadata": meta}), slots))
+            for item in _progress(shards.items, "reshard", progress):
+                if item in aliases:
+                    continue
+                for meta, (writer, slots) in zip(metas, writers, strict=True):
+                    _write_item(writer, slots[item], shards, item, _rows(item, meta))
+            for writer, _ in writers:
+                writer.close()
+    finally:
+        for writer, _ in writers:
+            writer.abort()
+
+
+def _rows(item: TensorItem, meta: dict[str, Any]) -> tuple[int, int] | None:
+    """The dim-0 rows of ``item`` that the resharded rank of ``meta`` holds; None: all of it."""
     if item.meta_key is None:
-        return full
+        return None
     entry = meta["tensors"][canonical_name(item.meta_key)]
-    return full[tuple(slice(o, o + n) for o, n in zip(entry["offset"], entry["local_shape"], strict=True))]
+    if not entry["offset"]:
+        return None
+    return entry["offset"][0], entry["offset"][0] + entry["local_shape"][0]

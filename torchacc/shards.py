@@ -4,17 +4,24 @@ A shard file is what ``torchacc.save(..., master_only=False)`` writes for one ra
 ``{section: <state>, "shard_metadata": model.get_shard_metadata()}`` where ``section`` is
 ``"model"`` (a state dict) or ``"optimizer"`` (``torchacc.optim_state_dict(model, optimizer)``:
 ``{"state": {param name: {name: tensor}}, "param_groups": [...]}``). Files are memory-mapped, so
-opening a set costs no memory; a full tensor is built only when asked for.
+opening a set costs no memory; a full tensor is built only when asked for, or never: where the
+pieces are contiguous byte ranges of the full tensor (dim-0 shards), ``byte_ranges`` says where they
+lie in the files, so writers can copy them file to file.
 """
 
+import contextlib
 import glob
 import math
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ._storage_records import is_tensor_record, locate_storages
+from ._zip import FileRange, read_ranges
 from .serialization import verify_file
 from .sharded_state import FORMAT, parse_dtype
 
@@ -64,6 +71,8 @@ class ShardSet:
         pattern: a glob such as ``"ckpt/rank-*-of-*-model.pth"``.
         section: ``"model"`` or ``"optimizer"``.
         verify: check every file's CRC-32 (reads each file once; catches bit flips as well as truncation).
+        check_tensors_later: with ``verify``, check only the small members now and leave the tensor
+            data to ``checking_tensors()``, which overlaps it with the caller's work.
 
     Raises:
         ValueError: no file matches; a file is truncated, corrupt or not a shard file; ranks are
@@ -71,13 +80,16 @@ class ShardSet:
             dtype disagrees with the metadata or with rank 0. Every message names the file(s) concerned.
     """
 
-    def __init__(self, pattern: str, *, section: str = "model", verify: bool = True) -> None:
+    def __init__(
+        self, pattern: str, *, section: str = "model", verify: bool = True, check_tensors_later: bool = False
+    ) -> None:
         paths = sorted(glob.glob(pattern))
         if not paths:
             raise ValueError(f"no checkpoint files match {pattern!r}; check the directory and the pattern")
         self.section = section
         by_rank: dict[int, tuple[str, Any]] = {}
         world_sizes: dict[int, str] = {}
+        self._tensors_unchecked = verify and check_tensors_later
         for path in paths:
             data = self._open(path, verify)
             meta = data["shard_metadata"]
@@ -114,10 +126,11 @@ class ShardSet:
         for item in self.items:
             if item.meta_key is not None:
                 self._check_tiling(item)
+        self._records: list[dict[int, tuple[int, int, int]] | None] | None = None
 
     def _open(self, path: str, verify: bool) -> Any:
         if verify:
-            verify_file(path)
+            verify_file(path, members=(lambda name: not is_tensor_record(name)) if self._tensors_unchecked else None)
         try:
             data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:
@@ -216,7 +229,12 @@ class ShardSet:
             )
 
     def full_tensor(self, item: TensorItem) -> torch.Tensor:
-        """Rebuild ``item`` on the CPU from the memory-mapped pieces."""
+        """Rebuild ``item`` on the CPU: read from the files (or copied from the memory-mapped pieces)."""
+        ranges = self.byte_ranges(item)
+        if ranges is not None:  # read() rather than touch the mapping: no file pages join this process's RSS
+            full = torch.empty(item.shape, dtype=item.dtype)
+            read_ranges(ranges, full.reshape(-1).view(torch.uint8).numpy())
+            return full
         if item.meta_key is None:
             return get_path(self._data[0][self.section], item.path).clone()
         full = torch.empty(item.shape, dtype=item.dtype)
@@ -224,6 +242,88 @@ class ShardSet:
             piece = get_path(self._data[rank][self.section], item.path)
             full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].copy_(piece)
         return full
+
+    @contextlib.contextmanager
+    def checking_tensors(self) -> Iterator[None]:
+        """Check the tensor data's CRC-32 (left by ``check_tensors_later``) in a thread while the body runs.
+
+        Raises:
+            ValueError: at exit, a corrupt file (as ``verify_file``); this takes precedence over an
+                error of the body, which may only be its consequence.
+        """
+        if not self._tensors_unchecked:
+            yield
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="torchacc-verify") as pool:
+            done = pool.submit(lambda: [verify_file(p, members=is_tensor_record) for p in self.paths])
+            try:
+                yield
+            except BaseException:
+                if done.exception() is not None:
+                    raise done.exception() from None
+                raise
+            done.result()
+        self._tensors_unchecked = False
+
+    def byte_ranges(self, item: TensorItem, start: int = 0, stop: int | None = None) -> list[FileRange] | None:
+        """Where bytes ``[start, stop)`` of ``item``'s full tensor (row-major) lie in the shard files.
+
+        Returns:
+            The ranges in order, or None when the pieces are not contiguous byte ranges of the full
+            tensor (sharded on another dim, non-contiguous, or files whose layout is not understood);
+            use ``full_tensor`` then.
+        """
+        stop = item.num_bytes if stop is None else stop
+        sources = self._sources(item)
+        if sources is None:
+            return None
+        ranges = []
+        for begin, source in sources:
+            lo, hi = max(start, begin), min(stop, begin + source.length)
+            if lo < hi:
+                whole = lo == begin and hi == begin + source.length
+                offset = source.offset + lo - begin
+                ranges.append(FileRange(source.path, offset, hi - lo, source.crc if whole else None))
+        return ranges
+
+    def _sources(self, item: TensorItem) -> list[tuple[int, FileRange]] | None:
+        """(byte offset in the full tensor, file range) of every piece, in order; None if not contiguous."""
+        if item.meta_key is None:
+            pieces = [(0, 0)]
+        else:
+            row_bytes = math.prod(item.shape[1:]) * item.dtype.itemsize
+            pieces = []
+            for offset, (rank, shape) in sorted(self._pieces(item).items()):
+                if any(offset[1:]) or tuple(shape[1:]) != item.shape[1:]:
+                    return None  # not a dim-0 slab
+                pieces.append((offset[0] * row_bytes if offset else 0, rank))
+        sources, end = [], 0
+        for begin, rank in pieces:
+            source = self._file_range(rank, get_path(self._data[rank][self.section], item.path))
+            if source is None or begin != end:
+                return None
+            sources.append((begin, source))
+            end = begin + source.length
+        return sources if end == item.num_bytes else None
+
+    def _file_range(self, rank: int, tensor: torch.Tensor) -> FileRange | None:
+        records = self._storage_records()[rank]
+        if records is None or not tensor.is_contiguous():
+            return None
+        length = tensor.numel() * tensor.element_size()
+        if length == 0:
+            return FileRange(self.paths[rank], 0, 0, 0)
+        record = records.get(tensor.untyped_storage().data_ptr())
+        if record is None:
+            return None
+        offset, size, crc = record
+        skip = tensor.storage_offset() * tensor.element_size()
+        return FileRange(self.paths[rank], offset + skip, length, crc if skip == 0 and length == size else None)
+
+    def _storage_records(self) -> list[dict[int, tuple[int, int, int]] | None]:
+        if self._records is None:
+            self._records = [locate_storages(p, data) for p, data in zip(self.paths, self._data, strict=True)]
+        return self._records
 
     def skeleton(self) -> Any:
         """Rank 0's section under canonical names: plain values kept, tensors left as ``None`` to be filled."""

@@ -15,6 +15,7 @@ from _launch import launch
 from _models import tiny_gpt2
 
 import torchacc
+from torchacc.serialization import verify_file
 from torchacc.shards import ShardSet
 
 SCENARIOS = str(Path(__file__).with_name("ckpt_scenarios.py"))
@@ -55,6 +56,9 @@ def test_streaming_consolidation_writes_the_same_state(saved, tmp_path):
     target = tmp_path / "streamed.pth"
     assert torchacc.consolidate(f"{out}/shards/rank-*-of-*-model.pth", out=target, return_state=False) is None
     assert_states_equal(torch.load(target, weights_only=True, mmap=True)["model"], results[0]["gathered"])
+    verify_file(target)
+    shards = ShardSet(f"{out}/shards/rank-*-of-*-model.pth")
+    assert all(shards.byte_ranges(item) is not None for item in shards.items), "FSDP2's shards are copied as bytes"
     safetensors = tmp_path / "model.safetensors"
     torchacc.consolidate(f"{out}/shards/rank-*-of-*-model.pth", out=safetensors, fmt="safetensors", return_state=False)
     from safetensors.torch import load_file
