@@ -25,7 +25,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 lint: setup
-	$(VENV)/bin/ruff check torchacc tests examples benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Full-mode benchmarks (tens of minutes; run on a quiet machine). Figures go in benchmarks/README.md.
 bench: setup

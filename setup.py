@@ -1,12 +1,14 @@
 """Build entry for torchacc. Tool settings live in pyproject.toml."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="torchacc",
     version="0.1.0",
     description="Config-driven, one-call FSDP2 acceleration for PyTorch training",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torchacc", "torchacc.*"]),
     python_requires=">=3.10",
