@@ -1,42 +1,40 @@
 """``FSDP2Strategy``: the step-by-step API for frameworks and custom trainers.
 
 It is a thin shell over the functions ``accelerate()`` uses (``torchacc/engine.py`` for the model,
-``shard_dataloader`` for data, ``clip_grad_norm_``, the checkpoint modules): one code path. The
-checkpoint methods live in ``StrategyCheckpointMixin`` (``torchacc/strategy_checkpoint.py``).
+``shard_dataloader`` for data, ``clip_grad_norm_``, the checkpoint modules): one code path. This
+module holds the constructor, the setup (environment, model, data) and the collectives; the rest is
+split by concept:
+
+* options: checked and written into the ``Config`` by ``torchacc/strategy_options.py``;
+* steps (forward, backward, optimizer step, accumulation): ``StrategyStepsMixin`` (``torchacc/strategy_steps.py``);
+* checkpoints: ``StrategyCheckpointMixin`` (``torchacc/strategy_checkpoint.py``).
 """
 
 import contextlib
 import copy
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ._logging import warn_once
 from .config import Config
 from .data import ShardedDataLoader, shard_dataloader
 from .dist import collectives, env
 from .engine import make_mesh, plan_model, shard_model
-from .grad import clip_grad_norm_
 from .materialize import init_empty_weights
-from .optim_state import load_optim_state_dict
 from .strategy_checkpoint import StrategyCheckpointMixin
+from .strategy_options import apply_options, check_options
+from .strategy_steps import StrategyStepsMixin
 
 __all__ = ["FSDP2Strategy"]
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-class FSDP2Strategy(StrategyCheckpointMixin):
+class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
     """Drive FSDP2 training step by step: set up, parallelize, then train with explicit step calls.
 
     Args:
@@ -95,26 +93,17 @@ class FSDP2Strategy(StrategyCheckpointMixin):
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         defer_replica_all_reduce: bool = False,
     ) -> None:
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config must be a torchacc.Config, got {type(config).__name__}")
-        if sharding_strategy is not None and sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"sharding_strategy={sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}")
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
-        if tensor_parallel_size not in ("auto", 1):
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size!r}: torchacc does not do tensor parallelism; use 'auto' "
-                "or 1 and scale with data_parallel_size / sharding instead"
-            )
-        if data_parallel_size != "auto":
-            _positive_int("data_parallel_size", data_parallel_size)
-        if isinstance(mp_policy, str) and mp_policy not in ("bf16", "fp16", "fp32"):
-            raise ValueError(f"mp_policy={mp_policy!r} must be a MixedPrecisionPolicy or 'bf16', 'fp16', 'fp32'")
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm} must be >= 0 (0 disables clipping)")
-        _positive_int("micro_train_batch_size", micro_train_batch_size)
-        if train_batch_size is not None:
-            _positive_int("train_batch_size", train_batch_size)
+        check_options(
+            config=config,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            sharding_strategy=sharding_strategy,
+            mp_policy=mp_policy,
+            state_dict_type=state_dict_type,
+            max_norm=max_norm,
+            micro_train_batch_size=micro_train_batch_size,
+            train_batch_size=train_batch_size,
+        )
         self.config = copy.deepcopy(config) if config is not None else Config()
         self.data_parallel_size = data_parallel_size
         self.sharding_strategy = sharding_strategy or ("FULL_SHARD" if config is None else None)
@@ -146,7 +135,15 @@ class FSDP2Strategy(StrategyCheckpointMixin):
             ValueError: an invalid layout or batch sizes (the same message on every rank).
         """
         world = env.world_size()
-        self._apply_overrides(world)
+        apply_options(
+            self.config,
+            world_size=world,
+            data_parallel_size=self.data_parallel_size,
+            sharding_strategy=self.sharding_strategy,
+            mp_policy=self.mp_policy,
+            cpu_offload=self.cpu_offload,
+            activation_checkpointing_policy=self.activation_checkpointing_policy,
+        )
         self.config.validate(world)
         per_step = self.micro_train_batch_size * world
         if self.train_batch_size is None:
@@ -166,30 +163,6 @@ class FSDP2Strategy(StrategyCheckpointMixin):
         device = env.device()
         self._env = {"device": device, "mesh": make_mesh(self.config, world_size=world, device=device)}
         self.accumulation_steps = self.train_batch_size // per_step
-
-    def _apply_overrides(self, world: int) -> None:
-        if self.data_parallel_size not in ("auto", world):
-            raise ValueError(
-                f"data_parallel_size={self.data_parallel_size} must equal the world size {world} (no tensor "
-                "parallelism); use 'auto'"
-            )
-        fsdp, dist_cfg = self.config.dist.fsdp, self.config.dist
-        if self.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            fsdp.size, dist_cfg.dp.size = world, 1
-            fsdp.reshard_after_forward = self.sharding_strategy == "FULL_SHARD"
-        elif self.sharding_strategy == "NO_SHARD":
-            fsdp.size, dist_cfg.dp.size = 1, world
-        elif self.sharding_strategy == "HYBRID_SHARD":
-            per_node = env.local_world_size()
-            fsdp.size, dist_cfg.dp.size = per_node, world // per_node
-        if isinstance(self.mp_policy, str):
-            self.config.compute.bf16 = self.mp_policy == "bf16"
-            self.config.compute.fp16 = self.mp_policy == "fp16"
-        self.config.memory.offload_params = self.config.memory.offload_params or self.cpu_offload
-        if self.activation_checkpointing_policy:
-            policy = self.activation_checkpointing_policy
-            self.config.memory.gc = True
-            self.config.memory.gc_cls = {c if isinstance(c, str) else c.__name__ for c in policy}
 
     def _ready(self) -> dict[str, Any]:
         if self._env is None:
@@ -292,97 +265,6 @@ class FSDP2Strategy(StrategyCheckpointMixin):
             shard=cfg.shard,
         )
         return self.dataloader
-
-    # --- steps -----------------------------------------------------------------------------------
-
-    def _loss(self, batch: Any) -> torch.Tensor:
-        model = self._require_model()
-        if self.loss_fn is not None:
-            return self.loss_fn(model, batch)
-        output = model(**batch) if isinstance(batch, Mapping) else model(batch)
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if loss is None:
-            raise ValueError("the model's output has no .loss; give FSDP2Strategy a loss_fn=fn(model, batch)")
-        return loss
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Forward one micro-batch under the precision policy; returns the loss."""
-        self._set_gradient_sync(self._require_model(), last=(self._micro_step + 1) % self.accumulation_steps == 0)
-        return self._loss(batch)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The loss of one batch, without gradients."""
-        with torch.no_grad():
-            return self._loss(batch)
-
-    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """As ``validation_step``."""
-        return self.validation_step(batch, batch_idx)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        """The model's outputs for one batch, without gradients."""
-        model = self._require_model()
-        with torch.no_grad():
-            return model(**batch) if isinstance(batch, Mapping) else model(batch)
-
-    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Backward of one micro-step; gradients are synchronized only on the last one of an accumulation."""
-        self._ready()
-        self._micro_step += 1
-        self._set_gradient_sync(model, last=self._micro_step % self.accumulation_steps == 0)
-        (loss / self.accumulation_steps).backward()
-
-    def _set_gradient_sync(self, model: nn.Module, *, last: bool) -> None:
-        # Set before the forward as well as before the backward: DDP reads the flag in its forward
-        # hook, FSDP2 in its backward hooks.
-        hsdp = isinstance(model, FSDPModule) and self.device_mesh is not None and self.device_mesh.ndim == 2
-        if self.defer_replica_all_reduce and hsdp:
-            model.set_requires_all_reduce(last)
-        elif hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module, scheduler: Any = None) -> float | None:
-        """Step after the last micro-step of an accumulation: restore deferred state, clip, step, zero.
-
-        Returns:
-            The global gradient norm before clipping (a float, the same on every rank) when ``max_norm`` is
-            set and a step was taken; None otherwise.
-        """
-        if self._micro_step % self.accumulation_steps:
-            return None
-        if self._pending_optimizer_state is not None:
-            load_optim_state_dict(model, optimizer, self._pending_optimizer_state)
-            self._pending_optimizer_state = None
-        norm = clip_grad_norm_(model.parameters(), self.max_norm) if self.max_norm > 0 else None
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-        return norm
-
-    def create_optimizer(
-        self,
-        model: nn.Module,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        **kwargs: Any,
-    ) -> torch.optim.AdamW:
-        """AdamW over ``model``'s trainable parameters, grouped by weight decay and dtype.
-
-        Matrices (``dim >= 2``: linear and embedding weights) decay; biases and norm weights do not.
-        """
-        groups: dict[tuple[bool, torch.dtype], list[nn.Parameter]] = {}
-        for param in model.parameters():
-            if param.requires_grad:
-                groups.setdefault((param.dim() >= 2, param.dtype), []).append(param)
-        param_groups = [
-            {"params": params, "weight_decay": weight_decay if decay else 0.0}
-            for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], str(kv[0][1])))
-        ]
-        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **kwargs)
 
     # --- collectives -----------------------------------------------------------------------------
 
