@@ -3,7 +3,8 @@
 Run (from the repository root)::
 
     .venv/bin/python benchmarks/throughput.py            # full: 3 GPT-2 sizes, 4 rounds (about 8 min on 2 cores)
-    .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, < 60 s
+    .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, compile too, < 90 s
+    .venv/bin/python benchmarks/throughput.py --compile only --sizes L2-E128 L6-E512   # the compile line alone
 
 Contenders, all training a ``transformers.GPT2LMHeadModel`` (built from ``GPT2Config``, float32, dropout
 off, the same seed) with ``torch.optim.AdamW`` on the same synthetic tokens:
@@ -26,13 +27,27 @@ CPU time per step (``time.process_time()``, the busiest rank) is reported beside
 time a rank is descheduled, so it is less sensitive to other processes on a shared machine. On CUDA (when
 available) the same code runs with NCCL, one GPU per rank, and ``torch.cuda.synchronize()`` before reading
 the clock.
+
+``--compile on|only`` adds the ``compute.compile`` comparison (on by default with ``--quick``):
+
+* ``(a') torchacc compiled``: (a) with ``config.compute.compile = True`` (torchacc compiles every wrapped
+  block's ``forward`` in place, before sharding).
+* ``(b') FSDP2 compiled``: (b) with ``block.forward = torch.compile(block.forward)`` on every ``GPT2Block``
+  before ``fully_shard`` (torchtitan's order, the same compiled region as (a')).
+
+(a), (b), (a') and (b') are built side by side with ``use_cache=False`` (see ``measure_compiled``), warmed up
+(at least 2 steps, each timed: the first step of (a') is the compile time, into a fresh inductor cache), then
+timed in rotating order, one block of steps per contender per round. Tokens/s excludes the warm-up; the ratios
+(a')/(a), (b')/(b) and (a')/(b') are medians of per-round ratios, and the losses at the same step are compared.
 """
 
 import argparse
+import functools
 import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +68,10 @@ from _common import (
 
 CONTENDERS = ("torchacc", "fsdp2", "ddp", "single")
 LABELS = {"torchacc": "(a) torchacc", "fsdp2": "(b) FSDP2", "ddp": "(c) DDP", "single": "(d) 1 process"}
+# The compile comparison (--compile): eager (a) and (b) against the same two with every GPT2Block compiled.
+COMPILED = ("torchacc", "fsdp2", "torchacc+compile", "fsdp2+compile")
+COMPILED_KEYS = {"torchacc": "a", "fsdp2": "b", "torchacc+compile": "a'", "fsdp2+compile": "b'"}
+LABELS.update({"torchacc+compile": "(a') torchacc compiled", "fsdp2+compile": "(b') FSDP2 compiled"})
 # name -> (n_layer, n_embd, n_head, timed steps); the vocabulary is --vocab, the context --seq.
 FULL_SIZES = {
     "L2-E128": (2, 128, 4, 16),
@@ -84,7 +103,9 @@ def _sharded_loader(dataset: Any, batch: int) -> Any:
     return DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
 
 
-def setup_torchacc(model: Any, dataset: Any, batch: int, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+def setup_torchacc(
+    model: Any, dataset: Any, batch: int, device: Any, *, compiled: bool = False
+) -> tuple[Any, Any, Callable[[Any], Any]]:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
@@ -93,16 +114,24 @@ def setup_torchacc(model: Any, dataset: Any, batch: int, device: Any) -> tuple[A
     config = torchacc.Config()
     config.dist.fsdp.size = dist.get_world_size()
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    config.compute.compile = compiled
     model, loader = torchacc.accelerate(model, DataLoader(dataset, batch_size=batch, drop_last=True), config)
     return model, loader, _keep  # torchacc's loader already yields batches on the device
 
 
-def setup_fsdp2(model: Any, dataset: Any, batch: int, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+def setup_fsdp2(
+    model: Any, dataset: Any, batch: int, device: Any, *, compiled: bool = False
+) -> tuple[Any, Any, Callable[[Any], Any]]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if compiled:
+        # torchtitan's order: compile every block, then shard. Only ``forward`` is compiled, in place, as torchacc
+        # does, so the compiled region is the same in (a') and (b') and FSDP's hooks on ``__call__`` stay eager.
+        for block in model.transformer.h:
+            block.forward = torch.compile(block.forward)
     model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -127,7 +156,14 @@ def setup_single(model: Any, dataset: Any, batch: int, device: Any) -> tuple[Any
     return model, DataLoader(dataset, batch_size=batch, drop_last=True), lambda b: _move(b, device)
 
 
-SETUPS = {"torchacc": setup_torchacc, "fsdp2": setup_fsdp2, "ddp": setup_ddp, "single": setup_single}
+SETUPS = {
+    "torchacc": setup_torchacc,
+    "fsdp2": setup_fsdp2,
+    "ddp": setup_ddp,
+    "single": setup_single,
+    "torchacc+compile": functools.partial(setup_torchacc, compiled=True),
+    "fsdp2+compile": functools.partial(setup_fsdp2, compiled=True),
+}
 
 
 def _sync(device: Any) -> None:
@@ -151,7 +187,16 @@ def run_steps(model: Any, optimizer: Any, batches: Any, move: Callable[[Any], An
 class Run:
     """One contender's model, optimizer and batches, ready to train (built on this rank)."""
 
-    def __init__(self, contender: str, size: tuple[int, ...], args: argparse.Namespace, device: Any, num_steps: int):
+    def __init__(
+        self,
+        contender: str,
+        size: tuple[int, ...],
+        args: argparse.Namespace,
+        device: Any,
+        num_steps: int,
+        *,
+        use_cache: bool = True,
+    ):
         import torch
         import torch.distributed as dist
 
@@ -160,6 +205,7 @@ class Run:
         world = dist.get_world_size()
         dataset = random_tokens(world * args.batch * num_steps, args.seq, args.vocab)
         model = gpt2_model(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=args.vocab, seq=args.seq)
+        model.config.use_cache = use_cache  # True (HF's default): every step also builds an unused KV cache
         self.params = num_params(model)
         self.model, loader, self.move = SETUPS[contender](model, dataset, args.batch, device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -259,6 +305,57 @@ def measure_paired(size: tuple[int, int, int, int], args: argparse.Namespace, de
     return {"paired_ratios": ratios, "paired_cpu_ratios": cpu_ratios, "block": block, "loss_gap": loss_gap}
 
 
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def measure_compiled(size: tuple[int, int, int, int], args: argparse.Namespace, device: Any, gloo: Any) -> dict:
+    """(a), (b), (a') and (b') built side by side: warm-up steps timed one by one (the first compiles), then
+    ``--rounds`` rounds of one block of steps each, the order rotating every round.
+
+    All four run with ``use_cache=False``: with HF's default the KV cache a block updates differs per layer,
+    so each block compiles its own graph (and past ``recompile_limit`` blocks, 8, run eager).
+    """
+    import torch
+
+    torch._dynamo.reset()  # no graphs, and no dynamic-shape decisions, carried over from another size
+    steps = args.steps or size[3]
+    warmup = max(2, args.warmup)  # step 1 compiles forward and backward; step 2 is the first plain one
+    runs = {c: Run(c, size, args, device, warmup + args.rounds * steps, use_cache=False) for c in COMPILED}
+    graphs = _graphs_compiled()
+    warmups = {}
+    for c in COMPILED:  # (a') compiles first, into a fresh cache; (b') then finds the same graphs cached
+        warmups[c] = [runs[c].timed(1, gloo)[0] for _ in range(warmup)]
+    graphs_warmup, graphs = _graphs_compiled() - graphs, _graphs_compiled()
+    timings: dict[str, list[tuple[float, float, float]]] = {c: [] for c in COMPILED}
+    orders = []
+    for round_index in range(args.rounds):
+        shift = round_index % len(COMPILED)
+        order = COMPILED[shift:] + COMPILED[:shift]
+        orders.append("".join(COMPILED_KEYS[c] for c in order))
+        for c in order:
+            timings[c].append(runs[c].timed(steps, gloo))
+    graphs_timed = _graphs_compiled() - graphs
+    params = runs["torchacc"].params
+    del runs
+    _free(device)
+    torch._dynamo.reset()
+    tokens = torch.distributed.get_world_size() * args.batch * args.seq * steps
+    return {
+        "compiled_tokens_per_s": {c: [tokens / t[0] for t in timings[c]] for c in COMPILED},
+        "compiled_cpu_s_per_step": {c: [t[1] / steps for t in timings[c]] for c in COMPILED},
+        "compiled_losses": {c: [t[2] for t in timings[c]] for c in COMPILED},
+        "warmup_s": warmups,
+        "orders": orders,
+        "steps": steps,
+        "params": params,
+        "graphs_warmup": graphs_warmup,  # per rank: each distinct compiled graph of this size
+        "graphs_timed": graphs_timed,  # 0 when the warm-up covered every compilation
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -272,7 +369,8 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     names = args.sizes or list(sizes)
-    for round_index in range(args.rounds):
+    base = args.compile != "only"  # the eager comparison of (a)-(d) and the (a)/(b) pairs
+    for round_index in range(args.rounds if base else 0):
         shift = round_index % len(CONTENDERS)
         order = CONTENDERS[shift:] + CONTENDERS[:shift]
         for name in names:
@@ -294,13 +392,27 @@ def worker(args: argparse.Namespace) -> None:
                     )
                 if rank == 0 or "idle_cpu_s" in result:
                     emit_result(result)
-    for name in names if args.pairs else []:
+    for name in names if base and args.pairs else []:
         result = measure_paired(sizes[name], args, device, gloo)
         result.update(size=name, rank=rank, loadavg=os.getloadavg()[0])
         if rank == 0:
             print(
                 f"[paired] {name} (a)/(b): median {median(result['paired_ratios']):.3f} over {args.pairs} pairs of "
                 f"{result['block']} steps",
+                flush=True,
+            )
+            emit_result(result)
+    for name in names if args.compile != "off" else []:
+        result = measure_compiled(sizes[name], args, device, gloo)
+        result.update(size=name, rank=rank, loadavg=os.getloadavg()[0])
+        if rank == 0:
+            tps = {c: median(v) for c, v in result["compiled_tokens_per_s"].items()}
+            first = {c: v[0] for c, v in result["warmup_s"].items()}
+            print(
+                f"[compile] {name}: "
+                + ", ".join(f"{LABELS[c]} {tps[c]:,.0f} tok/s" for c in COMPILED)
+                + "; first step "
+                + ", ".join(f"{COMPILED_KEYS[c]} {first[c]:.1f} s" for c in COMPILED),
                 flush=True,
             )
             emit_result(result)
@@ -390,6 +502,49 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
     return [*tables, markdown_table(round_headers, round_rows)], notes, med
 
 
+def summarize_compiled(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str, str]:
+    """The compile tables (throughput and speed-ups; warm-up and compile time) and the loss check line."""
+    a, b, a2, b2 = COMPILED
+    rows, time_rows, gaps = [], [], {"(a') - (a)": 0.0, "(b') - (b)": 0.0, "(a) - (b)": 0.0, "(a') - (b')": 0.0}
+    loss_scale = 0.0
+    for r in (r for r in results if "compiled_tokens_per_s" in r):
+        tps, cpu, losses = r["compiled_tokens_per_s"], r["compiled_cpu_s_per_step"], r["compiled_losses"]
+
+        def per_round(x: str, y: str, values: dict[str, list[float]] = tps) -> list[float]:
+            return [p / q for p, q in zip(values[x], values[y], strict=True)]
+
+        rows.append(
+            [r["size"], f"{r['params'] / 1e6:.2f}M"]
+            + [f"{median(tps[c]):,.0f}" for c in COMPILED]
+            + [f"**{_ratio_cell(per_round(a2, a))}**", _ratio_cell(per_round(b2, b))]
+            + [f"**{_ratio_cell(per_round(a2, b2))}**", _ratio_cell(per_round(a, a2, cpu))]
+        )
+        for name, (x, y) in zip(gaps, ((a2, a), (b2, b), (a, b), (a2, b2)), strict=True):
+            gaps[name] = max([gaps[name]] + [abs(p - q) for p, q in zip(losses[x], losses[y], strict=True)])
+        loss_scale = max([loss_scale] + losses[a])
+        warm = r["warmup_s"]
+        step = {c: args.nproc * args.batch * args.seq / median(tps[c]) for c in (a, a2)}  # s/step
+        compile_s = warm[a2][0] - warm[a][0]
+        saved = step[a] - step[a2]
+        time_rows.append(
+            [r["size"]]
+            + [f"{warm[c][0]:.1f}" for c in COMPILED]
+            + [f"**{compile_s:.1f}**", f"{warm[b2][0] - warm[b][0]:.1f}"]
+            + [f"{step[a]:.3f} / {step[a2]:.3f}", f"{compile_s / saved:.0f}" if saved > 0 else "never"]
+            + [f"{r['graphs_warmup']} / {r['graphs_timed']}", " ".join(r["orders"])]
+        )
+    headers = ["model", "params", *(LABELS[c] + " tok/s" for c in COMPILED)]
+    headers += ["(a')/(a)", "(b')/(b)", "(a')/(b')", "(a')/(a) by CPU time"]
+    time_headers = ["model", *(f"1st step s {COMPILED_KEYS[c]}" for c in COMPILED)]
+    time_headers += ["compile s (a') = 1st (a') - 1st (a)", "compile s (b')", "step s (a) / (a')"]
+    time_headers += ["steps to repay (a')", "graphs compiled: warm-up / timed", "orders"]
+    check = "; ".join(f"{name} {gap:.2e}" for name, gap in gaps.items())
+    check = (
+        f"loss check, max |difference| at the same step (same data, same init; loss about {loss_scale:.2f}): {check}"
+    )
+    return markdown_table(headers, rows), markdown_table(time_headers, time_rows), check
+
+
 def loader_overhead(args: argparse.Namespace, repeats: int = 7, num_batches: int = 400) -> dict[str, float]:
     """Microseconds per batch to iterate rank 0's share of the data: torchacc against the hand-written loader.
 
@@ -472,8 +627,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "throughput.png"), help="PNG path; raw JSON beside it")
+    p.add_argument(
+        "--compile",
+        choices=("off", "on", "only"),
+        default=None,
+        help="add the compute.compile comparison (a)/(b)/(a')/(b') after the others, or run only it "
+        "(default: on with --quick, on the tiny size; off otherwise)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.compile = args.compile or ("on" if args.quick else "off")
     args.rounds = args.rounds or (1 if args.quick else len(CONTENDERS))
     args.pairs = args.pairs if args.pairs is not None else (2 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -498,8 +661,10 @@ def main() -> None:
     started = time.monotonic()
     env = allocator_env(args.allocator)
     cmd = [*passed, "--worker", "--device", args.device]
-    results = run_torchrun(os.path.abspath(__file__), cmd, nproc=args.nproc, env=env)
-    (table, ab_table, per_round), notes, med = summarize(results, args)
+    # A fresh inductor cache, so the compile time below is a cold compile (not what an earlier run left behind).
+    with tempfile.TemporaryDirectory(prefix="throughput-inductor-") as cache:
+        env = {**(env or {}), "TORCHINDUCTOR_CACHE_DIR": cache}
+        results = run_torchrun(os.path.abspath(__file__), cmd, nproc=args.nproc, env=env)
     info = machine_summary()
     print(
         f"\n## Training throughput: GPT-2, fp32 AdamW, {args.nproc} ranks on {args.device} "
@@ -510,6 +675,35 @@ def main() -> None:
         f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
         f"wall {time.monotonic() - started:.0f} s\n"
     )
+    med = print_base(results, args) if args.compile != "only" else {}
+    if args.compile != "off":
+        table, time_table, check = summarize_compiled(results, args)
+        print(
+            "\n### compute.compile: (a') torchacc with compute.compile = True, (b') hand-written FSDP2 compiling each "
+            "block first\n\n"
+            "(a), (b), (a'), (b') built side by side (use_cache=False for all four), warmed up, then timed in rotating "
+            f"order, one block of steps each per round; tokens/s medians over {args.rounds} rounds; ratios: median "
+            "(range) of the per-round ratios of tokens/s. 'By CPU time' = CPU s/step of (a) over (a').\n"
+        )
+        print(table)
+        print(
+            "\nWarm-up (not in tokens/s above): wall seconds of the first step, slowest rank. (a') compiles first, "
+            "into an empty inductor cache; (b') then reuses what (a') compiled. Steps to repay = compile s / (step s "
+            "(a) - step s (a')).\n"
+        )
+        print(time_table)
+        print("\n" + check)
+    raw = os.path.splitext(args.plot)[0] + ".json"  # the raw results, next to the plot
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+    with open(raw, "w") as f:
+        json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)
+    path = plot(med, args.plot, args.nproc) if med else None
+    print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed, or --compile only)")
+
+
+def print_base(results: list[dict[str, Any]], args: argparse.Namespace) -> dict:
+    """Print the tables of (a)-(d) and the (a)/(b) pairs; return the medians for the plot."""
+    (table, ab_table, per_round), notes, med = summarize(results, args)
     print("Tokens/s of all ranks, medians over rounds; speed-up = tokens/s over (d) one process.\n")
     print(table)
     print(
@@ -530,12 +724,7 @@ def main() -> None:
             f"loader, per batch: torchacc {loader['torchacc']:.1f} us, hand-written {loader['fsdp2']:.1f} us; the "
             f"difference ({extra:+.1f} us) is {extra / 1e3 / step_ms:+.3%} of the shortest (b) step ({step_ms:.0f} ms)"
         )
-    raw = os.path.splitext(args.plot)[0] + ".json"  # the raw results, next to the plot
-    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
-    with open(raw, "w") as f:
-        json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)
-    path = plot(med, args.plot, args.nproc)
-    print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed)")
+    return med
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def _table_rows(stdout: str) -> list[str]:
 def test_throughput_quick(tmp_path: Path) -> None:
     out = _run_quick("throughput.py", tmp_path)
     assert "(a)/(b)" in out
+    assert "(a')/(a)" in out and "loss check" in out, out  # --quick also runs the compute.compile comparison
     rows = _table_rows(out)
     assert rows and rows[0].startswith("| L2-E128 |"), out
 

@@ -40,7 +40,9 @@ class ComputeConfig(Node):
     """Compute in float16 (parameters stay float32). Mutually exclusive with bf16."""
     compile: bool = False
     """``torch.compile`` every dist.fsdp.wrap_layer_cls block, after activation checkpointing and before sharding,
-    in place (only its ``forward`` is compiled), so FSDP's hooks still fire and state_dict keys stay unchanged."""
+    in place (only its ``forward`` is compiled), so FSDP's hooks still fire and state_dict keys stay unchanged.
+    A Hugging Face model's ``config.use_cache`` is set to False (with a warning): a KV cache makes every block
+    recompile."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -106,6 +106,15 @@ def make_mesh(config: Config, *, world_size: int, device: torch.device) -> Devic
 def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:
     # The block's forward is compiled in place (not wrapped in an OptimizedModule): the module's
     # __call__, and so FSDP's pre/post-forward hooks, stay eager, and no "_orig_mod." enters any key.
+    hf_config = getattr(model, "config", None)
+    if getattr(hf_config, "use_cache", None) is True:
+        # Each block updates its own layer's KV-cache entry and dynamo guards on it, so every block
+        # recompiles; past torch._dynamo.config.recompile_limit the remaining blocks silently run eager.
+        hf_config.use_cache = False
+        warn_once(
+            "compute.compile=True set model.config.use_cache=False: a KV cache makes every compiled block "
+            "recompile during training; set it back to True before calling generate()"
+        )
     for module in model.modules():
         if module is not model and isinstance(module, tuple(classes)):
             module.forward = torch.compile(module.forward)

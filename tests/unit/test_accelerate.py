@@ -208,3 +208,17 @@ def test_compile_keeps_keys_and_hooks_and_needs_wrap_classes():
     model = torchacc.accelerate(model, config=config)
     assert list(model.state_dict()) == keys
     assert all("_orig_mod" not in k for k in model.state_dict())
+
+
+def test_compile_turns_off_the_hf_kv_cache_with_a_warning(monkeypatch):
+    """With use_cache=True each compiled GPT-2 block recompiles, and past the recompile limit runs eager."""
+    monkeypatch.setattr(torchacc._logging, "_seen", set())
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # only the config change is under test
+    config = torchacc.Config()
+    config.compute.compile = True
+    config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    model = tiny_gpt2()
+    assert model.config.use_cache
+    with pytest.warns(UserWarning, match="set model.config.use_cache=False: a KV cache makes every compiled block"):
+        model = torchacc.accelerate(model, config=config)
+    assert model.config.use_cache is False
