@@ -279,6 +279,9 @@ def emit_result(result: dict[str, Any]) -> None:
 ALLOCATORS: dict[str, dict[str, str]] = {
     "glibc": {},
     "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    # mmap64k, plus transparent huge pages for the mapped blocks (glibc >= 2.35; THP "madvise" or "always"): the
+    # same memory, about 4x fewer page faults.
+    "mmap64k-thp": {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536:glibc.malloc.hugetlb=1"},
     "mmap4m": {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)},
     "mmap16m": {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)},
     "jemalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},

@@ -4,7 +4,8 @@ Run (from the repository root)::
 
     .venv/bin/python benchmarks/memory.py                # full: a 209M-param GPT-2 (3.3 GB of state), ~5 min
     .venv/bin/python benchmarks/memory.py --vocab 8192   # the same blocks with a small vocabulary (176M params)
-    .venv/bin/python benchmarks/memory.py --quick        # smoke run: a 5M-parameter GPT-2, < 60 s
+    .venv/bin/python benchmarks/memory.py --gc --vocab 8192  # activation checkpointing off / every / 1 in 2 blocks
+    .venv/bin/python benchmarks/memory.py --quick        # smoke run: a 5M-parameter GPT-2 and its gc rows, < 60 s
 
 Each configuration is one ``torchrun`` job (``OMP_NUM_THREADS=1`` per rank) on the CPU with gloo (GPUs, if
 any, are hidden from the ranks: this measures host memory):
@@ -23,24 +24,39 @@ kernel's peak-RSS counter is reset (``/proc/self/clear_refs`` = 5) and the train
 "training peak" is ``VmHWM`` after them (exact), cross-checked by ``VmRSS`` polled every 2 ms in a
 thread. Both are per rank (the largest rank is shown) minus the baseline rank's value.
 
-Every configuration runs under each malloc setting of ``--allocator`` (default ``glibc mmap64k``):
+Every configuration runs under each malloc setting of ``--allocator`` (default ``glibc mmap64k-thp``):
 ``glibc`` is the default, what a user gets; ``mmap64k`` (``MALLOC_MMAP_THRESHOLD_=65536``) maps every block of
 64 KiB or more on its own and unmaps it when freed. glibc's default raises its mmap threshold up to 32 MiB as
 large blocks are freed, after which blocks below that (an FSDP unit's all-gather and reduce-scatter buffers,
 gradients, activations) come from the heap, where freed space stays resident; ``mmap64k`` shows what the
-tensors themselves need. ``mmap4m``, ``mmap16m``, ``jemalloc`` and ``tcmalloc`` (preloaded system libraries)
-are there to compare; ``throughput.py --allocator`` measures their CPU cost.
+tensors themselves need. ``mmap64k-thp``, the recommended setting, is the same threshold plus transparent huge
+pages for the mapped blocks, in one variable
+(``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=65536:glibc.malloc.hugetlb=1``, glibc >= 2.35): the same peak,
+about 4x fewer page faults, and so less of mmap64k's extra CPU time. ``mmap4m``, ``mmap16m``, ``jemalloc`` and
+``tcmalloc`` (preloaded system libraries) are there to compare; ``throughput.py --allocator`` measures their CPU
+cost. (``MALLOC_ARENA_MAX=1`` or ``2`` does not help: the retention is the dynamic threshold, not per-thread
+arenas.)
+
+``--gc`` measures activation checkpointing instead (``memory.gc = True`` on the ``GPT2Block`` layers): torchacc
+FSDP at N = 2 with checkpointing off, on every block, and on one block in ``--gc-interval`` (selective), at a
+batch and sequence where activations are as large as the sharded state (default ``--gc-batch 2 --gc-seq 512``).
+Each round runs a baseline and the three variants (order rotated each round); ``--rounds`` gives medians.
 
 Theory for fp32 AdamW: 16 bytes per parameter (param 4 + grad 4 + exp_avg 4 + exp_avg_sq 4) divided by
 N, plus, when sharded, one unsharded FSDP unit (the largest unit's full parameters and gradients,
 8 bytes per parameter, during its forward/backward). Activations are not in the theory: the batch is
-kept small (``--batch 1 --seq 64``) so they stay a few percent of the state.
+kept small (``--batch 1 --seq 64``) so they stay a few percent of the state. The theory leaves out, on purpose,
+three things FSDP2 also holds at the peak: the prefetched next unit's parameters and the previous unit's
+reduce-scatter input (4 bytes per parameter each, backward), and the root unit's unsharded parameters for the
+whole forward and backward (the root is never resharded after forward); with a tied embedding the root also
+holds the ``lm_head`` gradient through backward and a second, embedding gradient at its end.
 """
 
 import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -55,6 +71,7 @@ from _common import (
     machine_summary,
     malloc_trim,
     markdown_table,
+    median,
     num_params,
     random_tokens,
     read_status,
@@ -71,6 +88,10 @@ LABELS = {"fsdp": "torchacc FSDP", "dp": "torchacc DP (replicated)"}
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 BYTES_STATE = 16  # fp32 AdamW: param, grad, exp_avg, exp_avg_sq
 BYTES_UNIT = 8  # an unsharded unit: full params and full grads
+# The recommended malloc setting (see the module docstring), in the default runs beside glibc's default.
+DEFAULT_ALLOCATOR = "mmap64k-thp"
+# memory.gc variants of the activation-checkpointing comparison.
+GC_MODES = ("off", "full", "selective")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -94,7 +115,17 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
     n_layer, n_embd, n_head, vocab = model_shape(args)
     allocator = os.environ.get("BENCH_ALLOCATOR", "glibc")
-    result: dict[str, Any] = {"kind": args.kind, "world": world, "rank": rank, "allocator": allocator}
+    result: dict[str, Any] = {
+        "kind": args.kind,
+        "world": world,
+        "rank": rank,
+        "allocator": allocator,
+        "gc": args.gc_mode,
+        "batch": args.batch,
+        "seq": args.seq,
+        "round": args.round,
+        "steps": args.steps,
+    }
     if args.kind == "baseline":
         torchacc.dist.barrier()
     else:
@@ -104,6 +135,9 @@ def worker(args: argparse.Namespace) -> None:
         config = torchacc.Config()
         config.dist.fsdp.size = world if args.kind == "fsdp" else 1
         config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+        if args.gc_mode != "off":  # checkpoints the wrap_layer_cls blocks: all, or every gc_interval-th
+            config.memory.gc = True
+            config.memory.gc_interval = args.gc_interval if args.gc_mode == "selective" else 1
         model, loader = torchacc.accelerate(model, DataLoader(data, batch_size=args.batch, drop_last=True), config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gc.collect()
@@ -112,6 +146,7 @@ def worker(args: argparse.Namespace) -> None:
     result["trimmed"] = malloc_trim()
     result["hwm_reset"] = reset_peak_rss()
     result["start_rss"] = read_status()["VmRSS"]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     with MemorySampler("self", interval=0.002) as sampler:
         if args.kind == "baseline":
             torchacc.dist.barrier()
@@ -122,8 +157,11 @@ def worker(args: argparse.Namespace) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         torchacc.dist.barrier()
-    status = read_status()
+    status, end = read_status(), resource.getrusage(resource.RUSAGE_SELF)
     result.update(
+        cpu_s=end.ru_utime + end.ru_stime - usage.ru_utime - usage.ru_stime,
+        sys_s=end.ru_stime - usage.ru_stime,
+        minflt=end.ru_minflt - usage.ru_minflt,
         train_hwm=status["VmHWM"],
         train_sampled=sampler.peak("VmRSS"),
         train_anon=sampler.peak("RssAnon"),
@@ -209,6 +247,56 @@ def summarize(results: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]
     return markdown_table(headers, rows), points
 
 
+def summarize_gc(results: list[dict[str, Any]], n_layer: int, interval: int) -> str:
+    """The activation-checkpointing table: per malloc and memory.gc variant, the median over rounds of the per-rank
+    training peak minus the same round's baseline."""
+    blocks = {"off": 0, "full": n_layer, "selective": len(range(0, n_layer, interval))}
+    names = {"off": "off", "full": "every block", "selective": f"1 block in {interval}"}
+    rows = []
+    for allocator in dict.fromkeys(r["allocator"] for r in results):
+        peaks: dict[str, list[int]] = {}
+        cpu: dict[str, list[float]] = {}
+        for round_ in sorted({r["round"] for r in results}):
+            mine = [r for r in results if (r["allocator"], r["round"]) == (allocator, round_)]
+            base = max(r["train_hwm"] for r in mine if r["kind"] == "baseline")
+            for mode in GC_MODES:
+                ranks = [r for r in mine if r["kind"] == "fsdp" and r["gc"] == mode]
+                peaks.setdefault(mode, []).append(max(r["train_hwm"] for r in ranks) - base)
+                cpu.setdefault(mode, []).append(max(r["cpu_s"] for r in ranks))
+        first = next(r for r in results if r["kind"] == "fsdp")
+        state, unit = theory(first["params"], first["units"], first["world"], "fsdp")
+        off = median(peaks["off"])
+        for mode in GC_MODES:
+            peak = median(peaks[mode])
+            rows.append(
+                [
+                    allocator,
+                    names[mode],
+                    f"{blocks[mode]}/{n_layer}",
+                    f"{(state + unit) / GB:.3f}",
+                    f"{peak / GB:.3f}",
+                    f"{(peak - state - unit) / GB:.3f}",
+                    f"**{(off - peak) / GB:.3f}**" if mode != "off" else "-",
+                    f"{(off - peak) / off:.1%}" if mode != "off" else "-",
+                    f"{median(cpu[mode]) / first.get('steps', 1):.2f}",
+                    len(peaks[mode]),
+                ]
+            )
+    headers = [
+        "malloc",
+        "memory.gc",
+        "checkpointed",
+        "theory, state (GB)",
+        "training peak (GB)",
+        "peak - theory (GB)",
+        "saving vs off (GB)",
+        "saving vs off",
+        "CPU s/step",
+        "rounds",
+    ]
+    return markdown_table(headers, rows)
+
+
 def plot(points: list[dict[str, Any]], path: str) -> str | None:
     try:
         import matplotlib
@@ -245,16 +333,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--allocator",
         nargs="+",
         choices=list(ALLOCATORS),
-        help="malloc settings to measure under, one after the other (default: glibc mmap64k; quick: glibc)",
+        help="malloc settings, one after the other (default: glibc mmap64k-thp; --gc: mmap64k-thp; quick: glibc)",
     )
     p.add_argument("--no-dp", action="store_true", help="skip the replicated (DP) contrast run (quick skips it)")
+    p.add_argument(
+        "--gc",
+        action="store_true",
+        help="only the activation-checkpointing comparison: FSDP at N = 2 with memory.gc off, on every block and on "
+        "every --gc-interval-th block, at --gc-batch x --gc-seq (quick runs it after the main table)",
+    )
+    p.add_argument("--gc-batch", type=int, default=0, help="batch of the gc comparison (default 2; quick 2)")
+    p.add_argument("--gc-seq", type=int, default=0, help="seq of the gc comparison (default 512; quick 128)")
+    p.add_argument("--gc-interval", type=int, default=2, help="selective checkpointing: every k-th block (default 2)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the gc comparison (medians; contenders alternate)")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"), help="PNG path; raw JSON beside it")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
+    p.add_argument("--gc-mode", choices=GC_MODES, default="off", help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.allocator = args.allocator or (["glibc"] if args.quick else ["glibc", "mmap64k"])
+    default = [DEFAULT_ALLOCATOR] if args.gc else ["glibc", DEFAULT_ALLOCATOR]
+    args.allocator = args.allocator or (["glibc"] if args.quick else default)
+    args.gc_batch = args.gc_batch or 2
+    args.gc_seq = args.gc_seq or (128 if args.quick else 512)
     args.no_dp = args.no_dp or args.quick
     return args
+
+
+def run(args: argparse.Namespace, kind: str, world: int, allocator: str, extra: list[str]) -> list[dict[str, Any]]:
+    """One torchrun job of ``world`` ranks; ``extra`` are worker arguments."""
+    print(f"running {kind} on {world} rank(s), malloc {allocator} {' '.join(extra)}...", file=sys.stderr, flush=True)
+    worker_args = ["--worker", "--steps", str(args.steps), "--vocab", str(args.vocab), "--kind", kind, *extra]
+    # Host memory only: GPUs are hidden from the ranks.
+    env = {**allocator_env(allocator), "BENCH_ALLOCATOR": allocator, "CUDA_VISIBLE_DEVICES": ""}
+    quick = ["--quick"] if args.quick else []
+    return run_torchrun(os.path.abspath(__file__), [*worker_args, *quick], nproc=world, env=env)
 
 
 def main() -> None:
@@ -262,45 +375,65 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    worker_args = ["--worker", "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
-    worker_args += ["--vocab", str(args.vocab)] + (["--quick"] if args.quick else [])
-    envs = {name: allocator_env(name) for name in args.allocator}
+    for name in args.allocator:
+        allocator_env(name)  # fail early on an unknown name or a missing library
     started = time.monotonic()
-    results = []
-    for allocator in envs:
-        for kind, world in RUNS:
-            if kind == "dp" and args.no_dp:
-                continue
-            print(f"running {kind} on {world} rank(s), malloc {allocator}...", file=sys.stderr, flush=True)
-            # Host memory only: GPUs are hidden from the ranks.
-            env = {**envs[allocator], "BENCH_ALLOCATOR": allocator, "CUDA_VISIBLE_DEVICES": ""}
-            cmd = [*worker_args, "--kind", kind]
-            results += run_torchrun(os.path.abspath(__file__), cmd, nproc=world, env=env)
-    table, points = summarize(results)
     info = machine_summary()
     n_layer, n_embd, n_head, vocab = model_shape(args)
-    print(
-        f"\n## Per-rank training memory: GPT-2 (n_layer {n_layer}, n_embd {n_embd}, vocab {vocab}), fp32 AdamW, "
-        f"CPU/gloo (batch {args.batch}, seq {args.seq}, {args.steps} steps)\n"
-    )
-    print(
-        f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
-        f"wall {time.monotonic() - started:.0f} s\n"
-    )
-    print("Peaks are per rank (the largest rank) minus the empty baseline rank of the same world size and malloc.\n")
-    print(table)
-    first = next(r for r in results if r["kind"] != "baseline")
-    base = [r for r in results if r["kind"] == "baseline"]
-    print(
-        f"\nunits (params): {first['units']}; baseline peak RSS {min(r['train_hwm'] for r in base) / GB:.3f}-"
-        f"{max(r['train_hwm'] for r in base) / GB:.3f} GB; peak reset: {all(r['hwm_reset'] for r in results)}"
-    )
+    results: list[dict[str, Any]] = []
+    gc_results: list[dict[str, Any]] = []
+    if not args.gc:
+        shape = ["--batch", str(args.batch), "--seq", str(args.seq)]
+        for allocator in args.allocator:
+            for kind, world in RUNS:
+                if not (kind == "dp" and args.no_dp):
+                    results += run(args, kind, world, allocator, shape)
+    if args.gc or args.quick:
+        # Contenders alternate: each round runs the baseline, then the three variants in a rotated order.
+        shape = ["--batch", str(args.gc_batch), "--seq", str(args.gc_seq), "--gc-interval", str(args.gc_interval)]
+        for round_ in range(args.rounds):
+            for allocator in args.allocator:
+                gc_results += run(args, "baseline", 2, allocator, [*shape, "--round", str(round_)])
+                for i in range(len(GC_MODES)):
+                    mode = GC_MODES[(i + round_) % len(GC_MODES)]
+                    gc_results += run(args, "fsdp", 2, allocator, [*shape, "--round", str(round_), "--gc-mode", mode])
+    wall = time.monotonic() - started
+    header = f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}"
+    points: list[dict[str, Any]] = []
+    if results:
+        table, points = summarize(results)
+        print(
+            f"\n## Per-rank training memory: GPT-2 (n_layer {n_layer}, n_embd {n_embd}, vocab {vocab}), fp32 AdamW, "
+            f"CPU/gloo (batch {args.batch}, seq {args.seq}, {args.steps} steps)\n"
+        )
+        print(f"{header}; wall {wall:.0f} s\n")
+        print(
+            "Peaks are per rank (the largest rank) minus the empty baseline rank of the same world size and malloc.\n"
+        )
+        print(table)
+        first = next(r for r in results if r["kind"] != "baseline")
+        base = [r for r in results if r["kind"] == "baseline"]
+        print(
+            f"\nunits (params): {first['units']}; baseline peak RSS {min(r['train_hwm'] for r in base) / GB:.3f}-"
+            f"{max(r['train_hwm'] for r in base) / GB:.3f} GB; peak reset: {all(r['hwm_reset'] for r in results)}"
+        )
+    if gc_results:
+        print(
+            f"\n## Activation checkpointing (memory.gc): torchacc FSDP, N = 2, GPT-2 (n_layer {n_layer}, n_embd "
+            f"{n_embd}, vocab {vocab}), batch {args.gc_batch}, seq {args.gc_seq}, {args.steps} steps\n"
+        )
+        print(f"{header}; wall {wall:.0f} s (whole invocation)\n")
+        print(
+            "Per-rank training peak minus the same round's baseline rank; medians over rounds. Theory, state: "
+            "16P/N + one unsharded unit (no activations).\n"
+        )
+        print(summarize_gc(gc_results, n_layer, args.gc_interval))
     raw = os.path.splitext(args.plot)[0] + ".json"  # the raw results, next to the plot
     os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
     with open(raw, "w") as f:
-        json.dump({"args": vars(args), "machine": info, "results": results}, f, indent=1)
-    path = plot(points, args.plot)
-    print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed)")
+        json.dump({"args": vars(args), "machine": info, "results": results, "gc_results": gc_results}, f, indent=1)
+    path = plot(points, args.plot) if points else None
+    print(f"plot: {path}" if path else "plot: skipped (no main table, or matplotlib is not installed)")
 
 
 if __name__ == "__main__":

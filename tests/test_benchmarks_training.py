@@ -37,3 +37,6 @@ def test_memory_quick(tmp_path: Path) -> None:
     assert "vs theory" in out
     rows = _table_rows(out)
     assert any("torchacc FSDP | 2 |" in row for row in rows), out
+    assert "Activation checkpointing (memory.gc)" in out, out
+    gc_rows = [line for line in out.splitlines() if line.startswith("| glibc | ") and "/4 |" in line]
+    assert [row.split(" | ")[1] for row in gc_rows] == ["off", "every block", "1 block in 2"], out
