@@ -31,8 +31,9 @@ lint: setup
 # Full-mode benchmarks (tens of minutes; run on a quiet machine). Figures go in benchmarks/README.md.
 bench: setup
 	$(PY) -m pip install -q -e ".[bench]"
-	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py
-	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --compile on
+	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --vocab 8192
+	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --gc --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/capacity.py
 	$(PY) benchmarks/consolidate.py
 
