@@ -1,6 +1,7 @@
 """Entry point of one rank started by tests/_launch.py: run FILE:FUNCTION, save its return value."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -17,3 +18,8 @@ if __name__ == "__main__":
     torch.save(result, out_path)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # The result is on disk. Skip the interpreter's finalization: gloo's C++ worker threads can abort it
+    # ("terminate called without an active exception", pytorch/pytorch#179291), failing a finished rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
