@@ -11,10 +11,10 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .serialization import atomic_write, describe_os_error, fsync_dir
+from .serialization import atomic_write_text, describe_os_error, fsync_dir
 
 __all__ = ["LATEST", "check_save_args", "next_tag", "clean_leftovers", "publish"]
-__all__ += ["describe_failure", "find_short_file", "write_text"]
+__all__ += ["describe_failure", "find_short_file", "swap_in"]
 
 LATEST = "latest"
 TAG = re.compile(r"^checkpoint-(\d+)$")
@@ -62,9 +62,9 @@ def clean_leftovers(directory: str) -> None:
                 shutil.rmtree(path)
 
 
-def publish(directory: str, tag: str, staging: str, final: str) -> None:
-    """Rename the finished staging directory to ``final``, then move ``latest`` to it (rank 0)."""
-    replaced = os.path.join(directory, f".{tag}.replaced")
+def swap_in(staging: str, final: str, replaced: str) -> None:
+    """Rename the finished ``staging`` to ``final``. A previous ``final`` is moved to ``replaced`` first (and
+    moved back if the rename fails); the caller removes ``replaced`` once nothing points at it."""
     if os.path.exists(final):
         os.replace(final, replaced)
     try:
@@ -73,10 +73,16 @@ def publish(directory: str, tag: str, staging: str, final: str) -> None:
         if os.path.exists(replaced):
             os.replace(replaced, final)
         raise
+
+
+def publish(directory: str, tag: str, staging: str, final: str) -> None:
+    """Rename the finished staging directory to ``final``, then move ``latest`` to it (rank 0)."""
+    replaced = os.path.join(directory, f".{tag}.replaced")
+    swap_in(staging, final, replaced)
     fsync_dir(directory)
     latest = os.path.join(directory, LATEST)
     try:
-        atomic_write(latest, lambda tmp: write_text(tmp, tag))
+        atomic_write_text(latest, tag)
     except OSError as exc:
         exc.filename = exc.filename or latest  # a write() error names no file
         raise
@@ -107,9 +113,3 @@ def find_short_file(path: str, metadata: Any) -> str | None:
             found = "missing" if actual is None else f"{actual} bytes"
             return f"{file}: {found}, but the checkpoint's .metadata needs {size} bytes (truncated?); restore the file"
     return None
-
-
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to the file ``path``."""
-    with open(path, "w") as f:
-        f.write(text)

@@ -10,27 +10,17 @@ world-size-th file of the sorted list, so a check costs each rank 1/N of the che
 
 import json
 import os
-import zlib
 from typing import Any
 
+from ._zip import file_crc32
 from .dist import env
 from .dist.collectives import all_gather_object, broadcast, raise_on_any_rank
-from .serialization import atomic_write, describe_os_error
+from .serialization import atomic_write_text, describe_os_error
 
 __all__ = ["MANIFEST", "file_crc32", "record", "verify"]
 
 MANIFEST = "checksums.json"
 _FORMAT = "torchacc-checksums/1"
-_CHUNK = 1 << 22
-
-
-def file_crc32(path: str | os.PathLike[str]) -> int:
-    """CRC-32 of a file's bytes, read in chunks."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _my_share(names: list[str]) -> list[str]:
@@ -63,17 +53,12 @@ def record(directory: str) -> str | None:
         text = json.dumps({"format": _FORMAT, "files": dict(sorted(files.items()))})
         target = os.path.join(directory, MANIFEST)
         try:
-            atomic_write(target, lambda tmp: _write_text(tmp, text))
+            atomic_write_text(target, text)
         except OSError as exc:
             error = describe_os_error(exc, target)
     if not errors:
         errors = [e for e in all_gather_object(error) if e]
     return errors[0] if errors else None
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def _read_manifest(path: str) -> dict[str, Any] | None:

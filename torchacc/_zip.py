@@ -20,7 +20,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["FileRange", "ZipWriter", "copy_ranges", "crc32_combine", "read_ranges", "record_table"]
+__all__ = ["FileRange", "ZipWriter", "copy_ranges", "crc32_combine", "file_crc32", "read_ranges", "record_table"]
 
 _ALIGNMENT = 64  # torch.serialization._get_storage_alignment()
 _ZIP32_LIMIT = 0xFFFFFFFF  # sizes and offsets at or above this need zip64 fields (tests lower it)
@@ -163,7 +163,7 @@ class ZipWriter:
         encoded = self._begin(name, size)
         crc = 0
         for r in ranges:
-            crc = crc32_combine(crc, r.crc if r.crc is not None else _crc_of(r), r.length)
+            crc = crc32_combine(crc, r.crc if r.crc is not None else file_crc32(r.path, r.offset, r.length), r.length)
         # Every record's place is fixed once its header is written, so the copies can run in
         # threads (copy_file_range releases the GIL) while the next headers are written.
         if self._pool is None:
@@ -246,13 +246,21 @@ def _copy_range(r: FileRange, dst_fd: int, dst_offset: int) -> None:
         os.close(src_fd)
 
 
-def _crc_of(r: FileRange) -> int:
+def file_crc32(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> int:
+    """CRC-32 of ``length`` bytes of ``path`` from ``offset`` (default: to the end), read in chunks.
+
+    Raises:
+        ValueError: the file ends before ``offset + length``.
+    """
     crc, done = 0, 0
-    with open(r.path, "rb", buffering=0) as f:
-        while done < r.length:
-            data = os.pread(f.fileno(), min(r.length - done, 1 << 23), r.offset + done)
+    with open(path, "rb", buffering=0) as f:
+        while length is None or done < length:
+            size = 1 << 23 if length is None else min(length - done, 1 << 23)
+            data = os.pread(f.fileno(), size, offset + done)
             if not data:
-                raise ValueError(f"{r.path}: ends before byte {r.offset + r.length}; the file is truncated")
+                if length is None:
+                    break
+                raise ValueError(f"{os.fspath(path)}: ends before byte {offset + length}; the file is truncated")
             crc = zlib.crc32(data, crc)
             done += len(data)
     return crc

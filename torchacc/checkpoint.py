@@ -104,11 +104,7 @@ def save_checkpoint(
             state[key] = _pack(obj.state_dict())
     state["extra"] = _pack(dict(extra or {}))
     state["torchacc"] = _pack({"world_size": env.world_size(), "format": "torchacc-dcp/1"})
-    try:
-        dcp.save(state, checkpoint_id=staging)
-        error = _checksums.record(staging)
-    except (Exception, CheckpointException) as exc:  # DCP raises the same failure on every rank
-        error = _dir.describe_failure(exc, staging)
+    error = write_staging(state, staging)
     if error is not None:
         if env.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -132,6 +128,19 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(blob: Any) -> Any:
     return pickle.loads(blob)
+
+
+def write_staging(state: dict[str, Any], staging: str) -> str | None:
+    """``dcp.save`` ``state`` into the (existing) directory ``staging`` and record its checksums.
+
+    Every rank must call it. Returns None, or the first failure as one line naming the rank and path
+    (the same on every rank, so callers can clean up and raise together).
+    """
+    try:
+        dcp.save(state, checkpoint_id=staging)
+        return _checksums.record(staging)
+    except (Exception, CheckpointException) as exc:  # DCP raises the same failure on every rank
+        return _dir.describe_failure(exc, staging)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:

@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from .dist import env
 from .dist.collectives import raise_on_any_rank
 
-__all__ = ["save", "load", "verify_file", "atomic_write", "publish", "temp_path", "fsync_dir", "describe_os_error"]
+__all__ = ["save", "load", "verify_file", "atomic_write", "atomic_write_text", "publish", "temp_path", "fsync_dir"]
+__all__ += ["describe_os_error"]
 
 
 def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, global_master: bool = False) -> None:
@@ -140,6 +141,16 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write the small text file ``path`` atomically (see [Note: atomic files])."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_write(path, write)
 
 
 def temp_path(path: str | os.PathLike[str]) -> str:

@@ -11,12 +11,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from . import _checksums
-from ._checkpoint_dir import describe_failure
-from .checkpoint import load_checkpoint, require_latest, save_checkpoint
+from ._checkpoint_dir import swap_in
+from .checkpoint import load_checkpoint, require_latest, save_checkpoint, write_staging
 from .dist import collectives, env
 from .serialization import describe_os_error, load, save
 
@@ -91,18 +90,12 @@ class StrategyCheckpointMixin:
             except OSError as exc:
                 error = describe_os_error(exc, exc.filename or staging)
         collectives.raise_on_any_rank(error, what=what)
-        try:
-            dcp.save(checkpoint, checkpoint_id=staging)
-            error = _checksums.record(staging)
-        except (Exception, CheckpointException) as exc:  # DCP raises the same failure on every rank
-            error = describe_failure(exc, staging)
+        error = write_staging(checkpoint, staging)
         if error is None and env.rank() == 0:
             try:
                 # The previous version stays whole under .replaced until the new one has its name.
                 shutil.rmtree(replaced, ignore_errors=True)
-                if os.path.exists(path):
-                    os.replace(path, replaced)
-                os.replace(staging, path)
+                swap_in(staging, path, replaced)
                 shutil.rmtree(replaced, ignore_errors=True)
             except OSError as exc:
                 error = describe_os_error(exc, exc.filename or path)

@@ -64,7 +64,7 @@ def killed_save(out: str, point: str) -> None:
     elif point == f"rank{rank}-before-rename":
         inject(os, "replace", kill, when=_is_staging)
     elif point == f"rank{rank}-before-latest":
-        inject(torchacc._checkpoint_dir, "atomic_write", kill)
+        inject(torchacc._checkpoint_dir, "atomic_write_text", kill)
     try:
         torchacc.save_checkpoint(directory, model=model, optimizer=optimizer, extra={"step": 2})
     except Exception as exc:

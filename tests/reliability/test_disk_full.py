@@ -16,6 +16,7 @@ from _models import TinyNet
 import torchacc
 import torchacc._checkpoint_dir
 import torchacc._checksums
+from torchacc.serialization import atomic_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -84,7 +85,8 @@ def test_save_checkpoint_fails_cleanly_at_every_stage(checkpointed, stage, monke
     elif stage == "metadata":
         inject(dcp_fs.FileSystemWriter, "finish", raising(lambda: disk_full(staging / ".metadata.tmp")), patch=patch)
     else:
-        inject(torchacc._checksums, "atomic_write", raising(lambda: disk_full(staging / "checksums.json")), patch=patch)
+        full = raising(lambda: disk_full(staging / "checksums.json"))
+        inject(torchacc._checksums, "atomic_write_text", full, patch=patch)
     with pytest.raises(
         RuntimeError,
         match=rf"save_checkpoint\('{directory}'\) failed: .*no space left on the "
@@ -99,13 +101,15 @@ def test_save_checkpoint_fails_cleanly_at_every_stage(checkpointed, stage, monke
 
 def test_disk_full_while_moving_latest_names_the_pointer(checkpointed, monkeypatch):
     directory, model, optimizer, expected = checkpointed
-    real_write = torchacc._checkpoint_dir.write_text
 
-    def partial_then_full(path, text):
-        real_write(path, text[:3])
+    def partial_then_full(tmp):
+        with open(tmp, "w") as f:
+            f.write("che")
         raise disk_full()
 
-    monkeypatch.setattr(torchacc._checkpoint_dir, "write_text", partial_then_full)
+    monkeypatch.setattr(
+        torchacc._checkpoint_dir, "atomic_write_text", lambda path, text: atomic_write(path, partial_then_full)
+    )
     with pytest.raises(
         RuntimeError,
         match=rf"no space left on the device of '{directory}' while writing "

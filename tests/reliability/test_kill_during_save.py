@@ -91,7 +91,7 @@ CHECKPOINT_POINTS = {
     "before-metadata": lambda: inject(dcp_fs.FileSystemWriter, "finish", kill_self),
     "mid-checksums": lambda: inject(torchacc._checksums, "file_crc32", kill_self),
     "before-rename": lambda: inject(os, "replace", kill_self, when=_is_staging),
-    "after-rename-before-latest": lambda: inject(torchacc._checkpoint_dir, "atomic_write", kill_self),
+    "after-rename-before-latest": lambda: inject(torchacc._checkpoint_dir, "atomic_write_text", kill_self),
     "mid-latest-write": lambda: inject(os, "replace", kill_self, when=_is_latest),
 }
 

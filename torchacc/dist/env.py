@@ -110,20 +110,19 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
     if attempt == "0":
         # A second start in the same processes (after teardown()): every rank counts its starts alike, on
         # every node, so the count separates the key spaces where the restart count cannot.
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(), is_master=False, timeout=timeout
-        )
-        return dist.PrefixStore(f"torchacc/start-{_num_starts}", store)
-    if world_size() != local_world_size():
+        prefix = f"torchacc/start-{_num_starts}"
+    elif world_size() != local_world_size():
         warn_once(
             "torchrun restarted this multi-node job with its shared rendezvous store, whose keys from the failed "
             "attempt can break the new process group; launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
         )
         return None
+    else:
+        prefix = f"torchacc/attempt-{attempt}/start-{_num_starts}"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(), is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"torchacc/attempt-{attempt}/start-{_num_starts}", store)
+    return dist.PrefixStore(prefix, store)
 
 
 def teardown() -> None:
