@@ -13,6 +13,7 @@ fresh subprocess so its peak memory is its own:
 * ``torchacc return``:    ``torchacc.consolidate(pattern)`` -- the full state dict returned, nothing written
 * ``torchacc streaming``: ``torchacc.consolidate(pattern, out=..., return_state=False)`` -- what the CLI does
 * ``torchacc streaming no-verify``: the same with ``verify=False`` (``--no-verify``): no CRC-32 pass over the shards
+* ``torchacc streaming no-sync``: the same with ``sync_files=False`` (``--no-sync``): no fsync, like ``copy``
 * ``torchacc return+save``: ``torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(prefix)``
 * ``load-everything``:    ``torch.load`` every shard (no mmap), ``torch.cat`` the pieces, ``torch.save`` (TorchAcc)
 * ``dcp_to_torch_save``:  ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` on the DCP copy
@@ -55,6 +56,7 @@ VARIANTS = (
     "torchacc return",
     "torchacc streaming",
     "torchacc streaming no-verify",
+    "torchacc streaming no-sync",
     "torchacc return+save",
     "load-everything",
     "dcp_to_torch_save",
@@ -180,6 +182,8 @@ def child(variant: str, root: str) -> None:
         torchacc.consolidate(pattern, out=out, return_state=False, progress=False)
     elif variant == "torchacc streaming no-verify":
         torchacc.consolidate(pattern, out=out, return_state=False, verify=False, progress=False)
+    elif variant == "torchacc streaming no-sync":
+        torchacc.consolidate(pattern, out=out, return_state=False, sync_files=False, progress=False)
     elif variant == "torchacc return+save":
         result = torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(paths["shard_dir"] + "/", save_path=out)
     elif variant == "load-everything":
@@ -281,6 +285,7 @@ def check_claims(rows: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     """The issue's claims, each with PASS or FAIL and the numbers behind it."""
     by = {r["variant"]: r for r in rows}
     ret, stream, load = by["torchacc return"], by["torchacc streaming"], by["load-everything"]
+    no_sync = by["torchacc streaming no-sync"]
     largest = info["largest_tensor_bytes"]
     durable = by["copy+fsync"]["seconds"] / stream["seconds"]
 
@@ -296,12 +301,13 @@ def check_claims(rows: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
         f"= {stream['anon_above_start'] / largest:.2f}x the largest tensor",
         f"{verdict(load['anon_over_ckpt'] > 2.0)} load-everything peak anonymous memory > 2x checkpoint: "
         f"{load['anon_over_ckpt']:.2f}x",
-        f"{verdict(stream['copy_fraction'] >= 0.7)} torchacc streaming >= 70% of copy speed: "
-        f"{stream['copy_fraction']:.0%} ({stream['seconds']:.2f} s vs {by['copy']['seconds']:.2f} s; "
-        f"with verify=False {by['torchacc streaming no-verify']['copy_fraction']:.0%})",
-        f"{verdict(durable >= 0.7)} torchacc streaming >= 70% of copy+fsync speed (the ceiling for a durable write; "
-        f"torchacc fsyncs its output before renaming it): {durable:.0%} ({stream['seconds']:.2f} s vs "
-        f"{by['copy+fsync']['seconds']:.2f} s)",
+        f"{verdict(no_sync['copy_fraction'] >= 0.7)} torchacc streaming with sync_files=False (no fsync, as copy) "
+        f">= 70% of copy speed: {no_sync['copy_fraction']:.0%} ({no_sync['seconds']:.2f} s vs "
+        f"{by['copy']['seconds']:.2f} s; CRC-32 check of the shards included)",
+        f"{verdict(durable >= 0.7)} torchacc streaming (default sync_files=True) >= 70% of copy+fsync speed (the "
+        f"ceiling for a durable write): {durable:.0%} ({stream['seconds']:.2f} s vs "
+        f"{by['copy+fsync']['seconds']:.2f} s; against plain copy {stream['copy_fraction']:.0%}, with "
+        f"verify=False {by['torchacc streaming no-verify']['copy_fraction']:.0%})",
     ]
     for row in (stream, ret):
         ratio = row["peak_rss"] / load["peak_rss"]

@@ -40,6 +40,8 @@ class StreamingSafetensorsWriter:
         path: the output file.
         layout: ``{name: (shape, dtype)}`` in the order the tensors will be written.
         metadata: the optional string-to-string ``__metadata__`` of the file.
+        write_back: start writing copied bytes to disk at once, for a caller that fsyncs the file.
+        check_sources: compare every whole source record that ``copy`` reads with its CRC-32.
 
     Raises:
         ValueError: a dtype safetensors cannot store.
@@ -50,7 +52,11 @@ class StreamingSafetensorsWriter:
         path: str | os.PathLike[str],
         layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
         metadata: dict[str, str] | None = None,
+        *,
+        write_back: bool = True,
+        check_sources: bool = False,
     ) -> None:
+        self._copy_options = {"write_back": write_back, "check_sources": check_sources}
         header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
         start = 0
         for name, (shape, dtype) in layout.items():
@@ -81,7 +87,7 @@ class StreamingSafetensorsWriter:
             raise AssertionError(f"{name}: {size} bytes != layout {tuple(shape)} {dtype}")
         self._file.flush()
         position = self._file.tell()
-        copy_ranges(ranges, self._file.fileno(), position)
+        copy_ranges(ranges, self._file.fileno(), position, **self._copy_options)
         self._file.seek(position + size)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:

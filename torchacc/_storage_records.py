@@ -22,22 +22,22 @@ def is_tensor_record(name: str) -> bool:
     return re.fullmatch(r"[^/]+/data/\w+", name) is not None
 
 
-def locate_storages(path: str, loaded: Any) -> dict[int, tuple[int, int, int]] | None:
+def locate_storages(path: str, loaded: Any) -> dict[int, tuple[int, int, int, str]] | None:
     """Map the address of every non-empty storage in ``loaded`` (``torch.load(path, mmap=True)``) to the
-    (file offset, size, CRC-32) of its record, or None when the two cannot be paired with certainty."""
+    (file offset, size, CRC-32, name) of its record, or None when the two cannot be paired with certainty."""
     storages: dict[int, int] = {}
     for tensor in _tensors(loaded):
         storage = tensor.untyped_storage()
         if storage.nbytes():
             storages[storage.data_ptr()] = storage.nbytes()
     table = record_table(path)
-    records = sorted((o, size, crc) for o, (name, size, crc) in table.items() if is_tensor_record(name) and size)
+    records = sorted((o, size, crc, name) for o, (name, size, crc) in table.items() if is_tensor_record(name) and size)
     addresses = sorted(storages)
     if len(records) != len(addresses) or not records:
         return None
     base = addresses[0] - records[0][0]
     pairs = dict(zip(addresses, records, strict=True))
-    if any(a - base != o or storages[a] != size for a, (o, size, _) in pairs.items()):
+    if any(a - base != o or storages[a] != size for a, (o, size, _, _) in pairs.items()):
         return None
     return pairs
 

@@ -57,6 +57,8 @@ class StreamingTorchWriter:
     Args:
         path: the output file (written in place; callers rename a temp file for atomicity).
         skeleton: the object ``torch.load`` will return, with a ``TensorSlot`` for every tensor.
+        write_back: start writing copied bytes to disk at once, for a caller that fsyncs the file.
+        check_sources: compare every whole source record that ``copy`` reads with its CRC-32.
 
     Example:
         >>> slot = TensorSlot("0", (2, 3), torch.float32)
@@ -64,14 +66,16 @@ class StreamingTorchWriter:
         ...     w.write(slot, torch.zeros(2, 3))
     """
 
-    def __init__(self, path: str | os.PathLike[str], skeleton: Any) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], skeleton: Any, *, write_back: bool = True, check_sources: bool = False
+    ) -> None:
         buffer = io.BytesIO()
         self._slots: dict[str, TensorSlot] = {}
         pickler = _Pickler(buffer, protocol=_PICKLE_PROTOCOL)
         pickler.dump(skeleton)
         self._collect(skeleton)
         self._written: set[str] = set()
-        self._writer = ZipWriter(path)
+        self._writer = ZipWriter(path, write_back=write_back, check_sources=check_sources)
         self._writer.add_bytes("data.pkl", buffer.getvalue())
 
     def _collect(self, obj: Any) -> None:

@@ -3,8 +3,9 @@
 torch's own writer (``PyTorchFileWriter``) needs every record's bytes in memory and computes their
 CRC-32 itself. Consolidation and resharding mostly move bytes that already sit in another file: a
 dim-0 shard is a contiguous byte range of the full tensor. ``ZipWriter.add_ranges`` copies such
-ranges inside the kernel (``copy_file_range``, no pass through user space) and derives the record's
-CRC-32 from the source records' CRCs (``crc32_combine``), so the output costs about a file copy.
+ranges through a small reused buffer per copy thread. Each record's CRC-32 is computed as the bytes pass
+or derived from the source records' CRCs (``crc32_combine``), and the copy can check the source records
+it reads whole, so the output costs about a file copy.
 
 The layout is torch's (miniz's): stored records, data aligned to 64 bytes by an ``FB`` padding field,
 a data descriptor after each record, zip64 fields past 4 GiB, and a zip64 end record. ``torch.load``
@@ -12,33 +13,44 @@ a data descriptor after each record, zip64 fields past 4 GiB, and a zip64 end re
 the round-trip tests guard the format.
 """
 
-import errno
 import os
 import struct
+import threading
 import zipfile
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["FileRange", "ZipWriter", "copy_ranges", "crc32_combine", "file_crc32", "read_ranges", "record_table"]
+__all__ = ["FileRange", "ZipWriter", "copy_ranges", "corrupt_member_message", "crc32_combine", "file_crc32"]
+__all__ += ["read_ranges", "record_table"]
 
 _ALIGNMENT = 64  # torch.serialization._get_storage_alignment()
 _ZIP32_LIMIT = 0xFFFFFFFF  # sizes and offsets at or above this need zip64 fields (tests lower it)
 _FLAGS = 0x0808  # bit 3: sizes and CRC in the data descriptor; bit 11: UTF-8 names (as miniz writes)
-_CHUNK = 1 << 26  # bytes per copy_file_range call, and per write-back request
+_CHUNK = 1 << 26  # bytes per write() of a record, and per write-back request
+# Copying through a buffer that stays in the CPU cache beat copy_file_range and sendfile between
+# unaligned offsets (0.46 s against 0.85 s for 2.15 GB; benchmarks/README.md, "Consolidation").
+_COPY_BUFFER = 1 << 20
 _POLY = 0xEDB88320
-NUM_COPY_THREADS = 2  # copies in flight at once: enough to keep a 2-core machine's kernel copying
-_NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+NUM_COPY_THREADS = 2  # copies in flight at once; reads and writes release the GIL
+_buffers = threading.local()
 
 
 @dataclass(frozen=True)
 class FileRange:
-    """``length`` bytes at ``offset`` in ``path``; ``crc`` is their CRC-32 when a zip record says so."""
+    """``length`` bytes at ``offset`` in ``path``; when they are a whole zip record, ``crc`` is its CRC-32
+    and ``member`` its name."""
 
     path: str
     offset: int
     length: int
     crc: int | None = None
+    member: str | None = None
+
+
+def corrupt_member_message(path: str | os.PathLike[str], member: str) -> str:
+    """The error for a zip member whose bytes do not match its CRC-32."""
+    return f"{os.fspath(path)}: member {member!r} fails its CRC-32 check; the file is corrupt, restore it or re-save"
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -78,6 +90,8 @@ def record_table(path: str) -> dict[int, tuple[str, int, int]]:
                 continue
             f.seek(info.header_offset)
             header = f.read(30)
+            if header[:4] != b"PK\x03\x04":
+                raise zipfile.BadZipFile(f"member {info.filename!r} has no local header at byte {info.header_offset}")
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             table[info.header_offset + 30 + name_len + extra_len] = (info.filename, info.file_size, info.CRC)
     return table
@@ -105,13 +119,24 @@ class ZipWriter:
     """Write a stored zip archive, one record after another, to ``path`` (created or truncated).
 
     Records are named ``archive/<name>``, as ``torch.save`` names them. Call ``close`` to write the
-    central directory; until then the file is not a valid archive.
+    central directory; until then the file is not a valid archive. ``write_back`` and
+    ``check_sources`` are passed to ``copy_ranges``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, num_copy_threads: int = NUM_COPY_THREADS) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        num_copy_threads: int = NUM_COPY_THREADS,
+        write_back: bool = True,
+        check_sources: bool = False,
+    ) -> None:
+        self._write_back = write_back
+        self._check_sources = check_sources
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._pos = 0
-        self._entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
+        # name, header offset, size, and the CRC-32 or the copy that returns it
+        self._entries: list[tuple[bytes, int, int, int | Future[int]]] = []
         self._num_copy_threads = num_copy_threads
         self._pool: ThreadPoolExecutor | None = None
         self._copies: list[Future] = []
@@ -137,12 +162,10 @@ class ZipWriter:
         self._write(encoded + extra)
         return encoded
 
-    def _end(self, encoded: bytes, header_offset: int, size: int, crc: int) -> None:
+    def _descriptor(self, header_offset: int, size: int, crc: int) -> bytes:
         if size >= _ZIP32_LIMIT or header_offset >= _ZIP32_LIMIT:
-            self._write(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
-        else:
-            self._write(struct.pack("<IIII", 0x08074B50, crc, size, size))
-        self._entries.append((encoded, header_offset, size, crc))
+            return struct.pack("<IIQQ", 0x08074B50, crc, size, size)
+        return struct.pack("<IIII", 0x08074B50, crc, size, size)
 
     def add_bytes(self, name: str, data: bytes | memoryview) -> None:
         """Add a record holding ``data``."""
@@ -150,28 +173,34 @@ class ZipWriter:
         header_offset = self._pos
         encoded = self._begin(name, view.nbytes)
         self._write(view)
-        self._end(encoded, header_offset, view.nbytes, zlib.crc32(view))
+        crc = zlib.crc32(view)
+        self._write(self._descriptor(header_offset, view.nbytes, crc))
+        self._entries.append((encoded, header_offset, view.nbytes, crc))
 
     def add_ranges(self, name: str, ranges: list[FileRange]) -> None:
-        """Add a record holding the concatenated ``ranges``, copied file to file without passing through memory.
+        """Add a record holding the concatenated ``ranges``, copied from their files in a thread.
 
-        A range's CRC-32 is taken from ``FileRange.crc`` when given (callers verify the source
-        files), or else computed by reading the range.
+        The record's CRC-32 comes from the copy (see ``copy_ranges``); the copy writes the data
+        descriptor after the data, and ``close`` the central directory once every copy is done.
         """
         size = sum(r.length for r in ranges)
         header_offset = self._pos
         encoded = self._begin(name, size)
-        crc = 0
-        for r in ranges:
-            crc = crc32_combine(crc, r.crc if r.crc is not None else file_crc32(r.path, r.offset, r.length), r.length)
+        data_offset = self._pos
         # Every record's place is fixed once its header is written, so the copies can run in
-        # threads (copy_file_range releases the GIL) while the next headers are written.
+        # threads while the next headers are written.
+        self._pos += size + len(self._descriptor(header_offset, size, 0))
+        os.lseek(self._fd, self._pos, os.SEEK_SET)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._num_copy_threads, thread_name_prefix="torchacc-copy")
-        self._copies.append(self._pool.submit(copy_ranges, ranges, self._fd, self._pos))
-        self._pos += size
-        os.lseek(self._fd, self._pos, os.SEEK_SET)
-        self._end(encoded, header_offset, size, crc)
+        copy = self._pool.submit(self._copy_record, ranges, header_offset, data_offset, size)
+        self._copies.append(copy)
+        self._entries.append((encoded, header_offset, size, copy))
+
+    def _copy_record(self, ranges: list[FileRange], header_offset: int, data_offset: int, size: int) -> int:
+        crc = copy_ranges(ranges, self._fd, data_offset, write_back=self._write_back, check_sources=self._check_sources)
+        os.pwrite(self._fd, self._descriptor(header_offset, size, crc), data_offset + size)
+        return crc
 
     def _finish_copies(self, cancel: bool) -> None:
         if self._pool is not None:
@@ -180,13 +209,14 @@ class ZipWriter:
         copies, self._copies = self._copies, []
         if not cancel:
             for copy in copies:
-                copy.result()  # re-raises a failed copy (a truncated source file)
+                copy.result()  # re-raises a failed copy (a truncated or corrupt source file)
 
     def close(self) -> None:
         """Wait for the copies, write the central directory and the end records, and close the file."""
         self._finish_copies(cancel=False)
         cd_offset = self._pos
-        for encoded, offset, size, crc in self._entries:
+        for encoded, offset, size, crc_or_copy in self._entries:
+            crc = crc_or_copy.result() if isinstance(crc_or_copy, Future) else crc_or_copy
             big = [v for v in (size, size) if v >= _ZIP32_LIMIT] + ([offset] if offset >= _ZIP32_LIMIT else [])
             extra = struct.pack(f"<HH{len(big)}Q", 1, 8 * len(big), *big) if big else b""
             small_size, small_offset = _small(size), _small(offset)
@@ -214,36 +244,63 @@ def _small(value: int) -> int:
     return value if value < _ZIP32_LIMIT else 0xFFFFFFFF
 
 
-def copy_ranges(ranges: list[FileRange], dst_fd: int, dst_offset: int) -> None:
-    """Copy the concatenated ``ranges`` to ``dst_fd`` at ``dst_offset``, inside the kernel where it can.
+def copy_ranges(
+    ranges: list[FileRange], dst_fd: int, dst_offset: int, *, write_back: bool = True, check_sources: bool = False
+) -> int:
+    """Copy the concatenated ``ranges`` to ``dst_fd`` at ``dst_offset``; return their CRC-32.
 
-    The file position of ``dst_fd`` is left alone. Write-back of the copied bytes starts right away,
-    so a final ``fsync`` finds little left to do.
+    A range's CRC-32 is computed from the bytes as they pass, or, for a range with a known ``crc``,
+    taken from it. ``check_sources`` computes those too and compares: the copy then verifies every
+    whole source record it reads, for the cost of the CRC alone. The file position of ``dst_fd``
+    is left alone. With ``write_back``, write-back of the copied bytes starts right away, so a final
+    ``fsync`` finds little left to do; without it the bytes stay in the page cache until the kernel
+    writes them back, as after ``shutil.copyfile``.
+
+    Raises:
+        ValueError: a source file ends before its range does, or a range fails its known CRC-32.
     """
+    view, crc = _buffer(), 0
     for r in ranges:
-        _copy_range(r, dst_fd, dst_offset)
+        compute = r.crc is None or check_sources
+        got = _copy_range(r, dst_fd, dst_offset, view, write_back=write_back, compute_crc=compute)
+        if r.crc is not None and compute and got != r.crc:
+            raise ValueError(corrupt_member_message(r.path, r.member or f"at byte {r.offset}"))
+        crc = crc32_combine(crc, r.crc if r.crc is not None else got, r.length)
         dst_offset += r.length
+    return crc
 
 
-def _copy_range(r: FileRange, dst_fd: int, dst_offset: int) -> None:
+def _buffer() -> memoryview:
+    """This thread's copy buffer: reused, so copies allocate (and page-fault) nothing per chunk."""
+    view = getattr(_buffers, "view", None)
+    if view is None:
+        view = _buffers.view = memoryview(bytearray(_COPY_BUFFER))
+    return view
+
+
+def _copy_range(
+    r: FileRange, dst_fd: int, dst_offset: int, view: memoryview, *, write_back: bool, compute_crc: bool
+) -> int:
     src_fd = os.open(r.path, os.O_RDONLY)
     try:
-        done = 0
+        done = flushed = crc = 0
         while done < r.length:
-            count = min(r.length - done, _CHUNK)
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, count, r.offset + done, dst_offset + done)
-            except (AttributeError, OSError) as exc:  # not Linux, or a file system pair without it
-                if isinstance(exc, OSError) and exc.errno not in _NO_COPY_FILE_RANGE:
-                    raise
-                n = os.pwrite(dst_fd, os.pread(src_fd, count, r.offset + done), dst_offset + done)
+            n = os.preadv(src_fd, [view[: min(r.length - done, len(view))]], r.offset + done)
             if n == 0:
                 raise ValueError(f"{r.path}: ends before byte {r.offset + r.length}; the file is truncated")
-            if hasattr(os, "posix_fadvise"):  # on Linux DONTNEED starts the write-back of dirty pages
-                os.posix_fadvise(dst_fd, dst_offset + done, n, os.POSIX_FADV_DONTNEED)
+            if compute_crc:
+                crc = zlib.crc32(view[:n], crc)
+            written = 0
+            while written < n:
+                written += os.pwrite(dst_fd, view[written:n], dst_offset + done + written)
             done += n
+            if write_back and (done - flushed >= _CHUNK or done == r.length) and hasattr(os, "posix_fadvise"):
+                # on Linux DONTNEED starts the write-back of dirty pages
+                os.posix_fadvise(dst_fd, dst_offset + flushed, done - flushed, os.POSIX_FADV_DONTNEED)
+                flushed = done
     finally:
         os.close(src_fd)
+    return crc
 
 
 def file_crc32(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> int:
@@ -252,15 +309,17 @@ def file_crc32(path: str | os.PathLike[str], offset: int = 0, length: int | None
     Raises:
         ValueError: the file ends before ``offset + length``.
     """
-    crc, done = 0, 0
-    with open(path, "rb", buffering=0) as f:
+    crc, done, view = 0, 0, _buffer()
+    fd = os.open(path, os.O_RDONLY)
+    try:
         while length is None or done < length:
-            size = 1 << 23 if length is None else min(length - done, 1 << 23)
-            data = os.pread(f.fileno(), size, offset + done)
-            if not data:
+            n = os.preadv(fd, [view if length is None else view[: min(length - done, len(view))]], offset + done)
+            if n == 0:
                 if length is None:
                     break
                 raise ValueError(f"{os.fspath(path)}: ends before byte {offset + length}; the file is truncated")
-            crc = zlib.crc32(data, crc)
-            done += len(data)
+            crc = zlib.crc32(view[:n], crc)
+            done += n
+    finally:
+        os.close(fd)
     return crc

@@ -39,20 +39,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output file or directory (default: inside --ckpt-dir)")
     p.add_argument("--hf-config", help="config.json or model directory for --format hf (default: --ckpt-dir)")
     p.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of the shard files")
+    p.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="do not fsync the output files (faster; after a power cut, re-run); not with --format hf",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
     ckpt, verify, progress = args.ckpt_dir, not args.no_verify, False if args.quiet else None
+    sync_files = not args.no_sync
     if not os.path.isdir(ckpt):
         raise ValueError(f"--ckpt-dir {ckpt!r} is not a directory")
     if args.reshard is not None:
         if args.format != "torch":
             raise ValueError("--reshard writes torch rank files; drop --format or use --format torch")
-        return reshard_checkpoint(
-            ckpt, args.out or os.path.join(ckpt, f"resharded-{args.reshard}"), num_shards=args.reshard, verify=verify
-        )
+        out = args.out or os.path.join(ckpt, f"resharded-{args.reshard}")
+        return reshard_checkpoint(ckpt, out, num_shards=args.reshard, verify=verify, sync_files=sync_files)
+    if args.no_sync and args.format == "hf":
+        raise ValueError("--format hf never fsyncs (like save_pretrained), so --no-sync changes nothing; drop it")
     if args.type == "all" and (args.pattern or args.out):
         raise ValueError("--type all uses the default patterns and output names; drop --pattern and --out")
     if args.type != "model" and args.format != "torch":
@@ -72,7 +79,14 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
                 default = "model.safetensors"
             out = args.out or os.path.join(ckpt, default)
             consolidate(
-                pattern, section=section, out=out, fmt=args.format, return_state=False, verify=verify, progress=progress
+                pattern,
+                section=section,
+                out=out,
+                fmt=args.format,
+                return_state=False,
+                verify=verify,
+                progress=progress,
+                sync_files=sync_files,
             )
         written.append(out)
     return written

@@ -47,6 +47,7 @@ def consolidate(
     return_state: bool = True,
     verify: bool = True,
     progress: bool | None = None,
+    sync_files: bool = True,
 ) -> dict[str, Any] | None:
     """Rebuild full tensors from the per-rank files matching ``pattern``.
 
@@ -60,6 +61,10 @@ def consolidate(
             tensor and returns None.
         verify: check every shard's CRC-32 first.
         progress: show a tqdm bar (None: only on a terminal).
+        sync_files: fsync ``out`` before it gets its final name, so that even a power cut cannot leave a
+            file that looks complete and is not. False leaves the write-back to the kernel, as
+            ``torch.save`` and ``shutil.copyfile`` do: faster when the disk is slower than memory, and
+            safe whenever the shards are kept (consolidation can be re-run).
 
     Returns:
         ``{section: full_state}`` keyed by the original names, or None when ``return_state`` is False.
@@ -80,10 +85,11 @@ def consolidate(
         writer = _write_safetensors if fmt == "safetensors" else _write_torch
 
         def write(tmp: str) -> None:
-            with shards.checking_tensors():
-                writer(shards, tmp, aliases, progress)
+            # the copies check the whole records they read, so the checking thread skips those
+            with shards.checking_tensors(skip=_records_copied_whole(shards, aliases)):
+                writer(shards, tmp, aliases, progress, write_back=sync_files, check_sources=verify)
 
-        atomic_write(out, write)
+        atomic_write(out, write, sync=sync_files)
     if not return_state:
         return None
     state = shards.skeleton()
@@ -94,6 +100,12 @@ def consolidate(
     for item, first in aliases.items():
         _set(state, item.out_path, get_path(state, first.out_path))
     return {section: state}
+
+
+def _records_copied_whole(shards: ShardSet, aliases: dict[TensorItem, TensorItem]) -> set[tuple[str, int]]:
+    """(path, data offset) of the source records that writing ``shards`` copies whole."""
+    ranges = (shards.byte_ranges(item) or [] for item in shards.items if item not in aliases)
+    return {(r.path, r.offset) for item_ranges in ranges for r in item_ranges if r.crc is not None}
 
 
 def _set(obj: Any, path: tuple[str, ...], value: Any) -> None:
@@ -119,9 +131,11 @@ def _slots(
     return skeleton, slots
 
 
-def _write_torch(shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None) -> None:
+def _write_torch(
+    shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None, **copy_options: bool
+) -> None:
     skeleton, slots = _slots(shards, aliases)
-    with StreamingTorchWriter(path, {shards.section: skeleton}) as writer:
+    with StreamingTorchWriter(path, {shards.section: skeleton}, **copy_options) as writer:
         for item in _progress(shards.items, "consolidate", progress):
             if item not in aliases:
                 _write_item(writer, slots[item], shards, item)
@@ -145,8 +159,11 @@ def _write_item(
         writer.write(slot, full[rows[0] : rows[1]] if rows else full)
 
 
-def _write_safetensors(shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None) -> None:
-    writer = StreamingSafetensorsWriter(path, {item.out_path[0]: (item.shape, item.dtype) for item in shards.items})
+def _write_safetensors(
+    shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None, **copy_options: bool
+) -> None:
+    layout = {item.out_path[0]: (item.shape, item.dtype) for item in shards.items}
+    writer = StreamingSafetensorsWriter(path, layout, **copy_options)
     for item in _progress(shards.items, "consolidate", progress):
         ranges = shards.byte_ranges(item)
         if ranges is not None:
@@ -214,6 +231,7 @@ def reshard_checkpoint(
     num_shards: int,
     verify: bool = True,
     progress: bool | None = None,
+    sync_files: bool = True,
 ) -> list[str]:
     """Turn the N per-rank files in ``src`` into ``num_shards`` files in ``dst`` for a run of that world size.
 
@@ -221,6 +239,7 @@ def reshard_checkpoint(
     (``rank-*-of-*-optim.pth``) are resharded, FSDP-style (dim 0, ``torch.chunk`` sizes). A run with
     ``dist.fsdp.size == num_shards`` loads its file with
     ``model.load_state_dict(ckpt["model"], shard_metadata=ckpt["shard_metadata"])``.
+    ``verify``, ``progress`` and ``sync_files`` are as in :func:`consolidate`.
 
     Returns:
         The paths written.
@@ -243,9 +262,9 @@ def reshard_checkpoint(
             names = [os.path.join(dst, f"rank-{r}-of-{num_shards}-{kind}.pth") for r in range(num_shards)]
             finals += names
             tmps += [temp_path(path) for path in names]
-            _reshard_section(shards, tmps[-num_shards:], num_shards, progress)
+            _reshard_section(shards, tmps[-num_shards:], num_shards, progress, write_back=sync_files)
         for tmp, final in zip(tmps, finals, strict=True):
-            publish(tmp, final)
+            publish(tmp, final, sync=sync_files)
     finally:
         for tmp in tmps:
             with contextlib.suppress(FileNotFoundError):
@@ -253,7 +272,9 @@ def reshard_checkpoint(
     return finals
 
 
-def _reshard_section(shards: ShardSet, tmps: list[str], num_shards: int, progress: bool | None) -> None:
+def _reshard_section(
+    shards: ShardSet, tmps: list[str], num_shards: int, progress: bool | None, *, write_back: bool
+) -> None:
     """Write the ``num_shards`` resharded files of one section to ``tmps``."""
     aliases = shards.aliases()
     metas = [_resharded_metadata(shards, r, num_shards) for r in range(num_shards)]
@@ -262,7 +283,8 @@ def _reshard_section(shards: ShardSet, tmps: list[str], num_shards: int, progres
         with shards.checking_tensors():
             for meta, tmp in zip(metas, tmps, strict=True):
                 skeleton, slots = _slots(shards, aliases, meta)
-                writers.append((StreamingTorchWriter(tmp, {shards.section: skeleton, "shard_metadata": meta}), slots))
+                contents = {shards.section: skeleton, "shard_metadata": meta}
+                writers.append((StreamingTorchWriter(tmp, contents, write_back=write_back), slots))
             for item in _progress(shards.items, "reshard", progress):
                 if item in aliases:
                     continue

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._zip import corrupt_member_message, file_crc32, record_table
 from .dist import env
 from .dist.collectives import raise_on_any_rank
 
@@ -97,14 +98,20 @@ def verify_file(path: str | os.PathLike[str], *, members: Callable[[str], bool] 
     """
     path = os.fspath(path)
     try:
+        stored = {name: (offset, size, crc) for offset, (name, size, crc) in record_table(path).items()}
         with zipfile.ZipFile(path) as archive:
             for name in archive.namelist():
-                if members is None or members(name):
+                if members is not None and not members(name):
+                    continue
+                if name in stored:  # torch's members: read through one reused buffer, no zipfile overhead
+                    offset, size, crc = stored[name]
+                    if file_crc32(path, offset, size) != crc:
+                        raise _CorruptMember(name)
+                else:
                     _read_member(archive, name)
     except _CorruptMember as bad:
-        message = f"{path}: member {bad} fails its CRC-32 check; the file is corrupt, restore it or re-save"
-        raise ValueError(message) from None
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(corrupt_member_message(path, bad.args[0])) from None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise ValueError(f"{path}: truncated or not a torch checkpoint ({exc})") from None
 
 
@@ -118,15 +125,16 @@ def _read_member(archive: zipfile.ZipFile, name: str) -> None:
             while member.read(1 << 23):  # zipfile checks the CRC-32 when the member ends
                 pass
     except zipfile.BadZipFile:  # a bad CRC-32, or a damaged member header
-        raise _CorruptMember(repr(name)) from None
+        raise _CorruptMember(name) from None
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None], *, sync: bool = True) -> None:
     """Call ``write(tmp_path)``, then move the finished file to ``path`` (see [Note: atomic files]).
 
     Args:
         path: the final name.
         write: writes the complete file to the temporary path it is given.
+        sync: fsync the file before the rename (see ``publish``).
 
     Raises:
         Whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
@@ -137,7 +145,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     tmp = temp_path(path)
     try:
         write(tmp)
-        publish(tmp, path)
+        publish(tmp, path, sync=sync)
     except BaseException:
         _remove_quietly(tmp)
         raise
@@ -158,12 +166,18 @@ def temp_path(path: str | os.PathLike[str]) -> str:
     return f"{os.fspath(path)}.tmp-{os.getpid()}"
 
 
-def publish(tmp: str, path: str | os.PathLike[str]) -> None:
-    """Flush the finished file ``tmp`` to disk and rename it to ``path`` (and flush the directory entry)."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+def publish(tmp: str, path: str | os.PathLike[str], *, sync: bool = True) -> None:
+    """Flush the finished file ``tmp`` to disk and rename it to ``path`` (and flush the directory entry).
+
+    ``sync=False`` only renames: a crash of the process still never exposes a partial file, but after a
+    power cut ``path`` may hold data the disk never received (as after ``torch.save``).
+    """
+    if sync:
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if sync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import glob
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ._storage_records import is_tensor_record, locate_storages
-from ._zip import FileRange, read_ranges
+from ._zip import FileRange, read_ranges, record_table
 from .serialization import verify_file
 from .sharded_state import FORMAT, parse_dtype
 
@@ -244,8 +244,11 @@ class ShardSet:
         return full
 
     @contextlib.contextmanager
-    def checking_tensors(self) -> Iterator[None]:
+    def checking_tensors(self, *, skip: Collection[tuple[str, int]] = ()) -> Iterator[None]:
         """Check the tensor data's CRC-32 (left by ``check_tensors_later``) in a thread while the body runs.
+
+        Args:
+            skip: (path, data offset) of records the body checks itself (``copy_ranges(check_sources=True)``).
 
         Raises:
             ValueError: at exit, a corrupt file (as ``verify_file``); this takes precedence over an
@@ -255,7 +258,7 @@ class ShardSet:
             yield
             return
         with ThreadPoolExecutor(1, thread_name_prefix="torchacc-verify") as pool:
-            done = pool.submit(lambda: [verify_file(p, members=is_tensor_record) for p in self.paths])
+            done = pool.submit(self._check_tensor_records, set(skip))
             try:
                 yield
             except BaseException:
@@ -264,6 +267,11 @@ class ShardSet:
                 raise
             done.result()
         self._tensors_unchecked = False
+
+    def _check_tensor_records(self, skip: set[tuple[str, int]]) -> None:
+        for path in self.paths:
+            skipped = {name for offset, (name, _, _) in record_table(path).items() if (path, offset) in skip}
+            verify_file(path, members=lambda name: is_tensor_record(name) and name not in skipped)  # noqa: B023
 
     def byte_ranges(self, item: TensorItem, start: int = 0, stop: int | None = None) -> list[FileRange] | None:
         """Where bytes ``[start, stop)`` of ``item``'s full tensor (row-major) lie in the shard files.
@@ -283,7 +291,7 @@ class ShardSet:
             if lo < hi:
                 whole = lo == begin and hi == begin + source.length
                 offset = source.offset + lo - begin
-                ranges.append(FileRange(source.path, offset, hi - lo, source.crc if whole else None))
+                ranges.append(FileRange(source.path, offset, hi - lo, *((source.crc, source.member) if whole else ())))
         return ranges
 
     def _sources(self, item: TensorItem) -> list[tuple[int, FileRange]] | None:
@@ -316,11 +324,13 @@ class ShardSet:
         record = records.get(tensor.untyped_storage().data_ptr())
         if record is None:
             return None
-        offset, size, crc = record
+        offset, size, crc, name = record
         skip = tensor.storage_offset() * tensor.element_size()
-        return FileRange(self.paths[rank], offset + skip, length, crc if skip == 0 and length == size else None)
+        if skip == 0 and length == size:
+            return FileRange(self.paths[rank], offset, length, crc, name)
+        return FileRange(self.paths[rank], offset + skip, length)
 
-    def _storage_records(self) -> list[dict[int, tuple[int, int, int]] | None]:
+    def _storage_records(self) -> list[dict[int, tuple[int, int, int, str]] | None]:
         if self._records is None:
             self._records = [locate_storages(p, data) for p, data in zip(self.paths, self._data, strict=True)]
         return self._records

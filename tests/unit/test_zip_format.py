@@ -1,8 +1,8 @@
 """torchacc's own writer of torch's zip container, and consolidation that copies shard bytes file to file."""
 
-import errno
 import os
 import random
+import threading
 import zipfile
 import zlib
 from pathlib import Path
@@ -76,13 +76,15 @@ def test_streamed_file_keeps_torch_s_layout_for_computed_offsets(tmp_path, monke
     assert torch.equal(loaded["model"]["w"], TENSORS["w"])
 
 
-def test_copy_falls_back_to_read_and_write(tmp_path, monkeypatch):
-    def unsupported(*args):
-        raise OSError(errno.EXDEV, "cross-device")
-
-    monkeypatch.setattr(os, "copy_file_range", unsupported)
+def test_copy_moves_ranges_larger_than_its_buffer_and_names_a_truncated_source(tmp_path, monkeypatch):
+    monkeypatch.setattr(_zip, "_COPY_BUFFER", 7)  # every range takes several reads, none of them aligned
+    monkeypatch.setattr(_zip, "_buffers", threading.local())
     write_streamed(tmp_path / "out.pt", TENSORS, tmp_path / "src.pt")
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["model"]["w"], TENSORS["w"])
+    source = tmp_path / "short.bin"
+    source.write_bytes(b"x" * 10)
+    with open(tmp_path / "dst.bin", "wb") as dst, pytest.raises(ValueError, match=r"short.bin: ends before byte 12"):
+        _zip.copy_ranges([_zip.FileRange(str(source), 2, 10)], dst.fileno(), 0)
 
 
 def write_shards(directory: Path, full: dict[str, torch.Tensor], placement: str, *, views: bool) -> str:
@@ -142,9 +144,73 @@ def test_a_corrupt_tensor_found_while_copying_writes_nothing(tmp_path):
     path.write_bytes(bytes(data))
     out = tmp_path / "out" / "consolidated.pth"
     out.parent.mkdir()
-    with pytest.raises(ValueError, match=r"rank-1-of-2-model.pth: member .*data/0.* fails its CRC-32 check"):
+    corrupt = r"rank-1-of-2-model.pth: member .*data/0.* fails its CRC-32 check; the file is corrupt"
+    with pytest.raises(ValueError, match=corrupt):  # found by the copy itself, which reads the whole record
         torchacc.consolidate(pattern, out=out, return_state=False)
+    assert not list(out.parent.iterdir())
+    with pytest.raises(ValueError, match=corrupt):
+        torchacc.consolidate(pattern)  # return mode: found by the checking thread
+    with pytest.raises(ValueError, match=corrupt):
+        torchacc.consolidate(pattern, out=tmp_path / "out" / "model.safetensors", fmt="safetensors", return_state=False)
     assert not list(out.parent.iterdir())
     with pytest.raises(ValueError, match=r"rank-1-of-2-model.pth: member .* fails its CRC-32 check"):
         torchacc.reshard_checkpoint(tmp_path, tmp_path / "re", num_shards=1)
     assert not list((tmp_path / "re").glob("*"))
+
+
+@pytest.mark.parametrize("sync_files", [True, False], ids=["sync", "no-sync"])
+def test_sync_files_decides_whether_outputs_are_flushed_to_disk(tmp_path, monkeypatch, sync_files):
+    pattern = write_shards(tmp_path, {"a": torch.randn(64, 64), "b": torch.randn(9)}, "shard:0", views=False)
+    calls = []
+    real_fsync, real_fadvise = os.fsync, getattr(os, "posix_fadvise", None)
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or real_fsync(fd))
+    if real_fadvise is not None:
+        monkeypatch.setattr(os, "posix_fadvise", lambda *a: calls.append("fadvise") or real_fadvise(*a))
+    outputs = {"torch": tmp_path / "out.pth", "safetensors": tmp_path / "out.safetensors"}
+    for fmt, out in outputs.items():
+        torchacc.consolidate(pattern, out=out, fmt=fmt, return_state=False, sync_files=sync_files)
+    torchacc.reshard_checkpoint(tmp_path, tmp_path / "re", num_shards=3, sync_files=sync_files)
+    expected = {"fsync", "fadvise"} if real_fadvise is not None else {"fsync"}
+    assert set(calls) == (expected if sync_files else set())
+    full = torchacc.consolidate(pattern)["model"]
+    assert torch.equal(torch.load(outputs["torch"], weights_only=True)["model"]["a"], full["a"])
+    again = torchacc.consolidate(str(tmp_path / "re" / "rank-*-of-3-model.pth"))["model"]
+    assert all(torch.equal(again[name], value) for name, value in full.items())
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_cli_no_sync_consolidates_and_refuses_hf(tmp_path, capsys):
+    from torchacc.cli import main
+
+    write_shards(tmp_path, {"a": torch.randn(8, 4)}, "shard:0", views=False)
+    assert main(["consolidate", "--ckpt-dir", str(tmp_path), "--no-sync", "--quiet"]) == 0
+    assert torch.load(tmp_path / "consolidated.pth", weights_only=True)["model"]["a"].shape == (8, 4)
+    assert main(["consolidate", "--ckpt-dir", str(tmp_path), "--format", "hf", "--no-sync"]) == 1
+    assert "--no-sync changes nothing; drop it" in capsys.readouterr().err
+
+
+def test_a_corrupt_record_copied_in_part_is_found_by_the_checking_thread(tmp_path):
+    # padded storages (FSDP2 on the CPU): the copy reads only part of each record, so it cannot check it
+    pattern = write_shards(tmp_path, {"a": torch.randn(64, 64)}, "shard:0", views=True)
+    path = tmp_path / "rank-0-of-2-model.pth"
+    data = bytearray(path.read_bytes())
+    ((offset, (_, size, _)),) = [(o, v) for o, v in _zip.record_table(str(path)).items() if "/data/" in v[0]]
+    data[offset + size - 1] ^= 0x01  # in the padding, which no output holds: still a corrupt file
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out" / "consolidated.pth"
+    out.parent.mkdir()
+    with pytest.raises(ValueError, match=r"rank-0-of-2-model.pth: member .*data/0.* fails its CRC-32 check"):
+        torchacc.consolidate(pattern, out=out, return_state=False)
+    assert not list(out.parent.iterdir())
+
+
+def test_copy_checks_a_whole_record_only_when_asked(tmp_path):
+    source = tmp_path / "src.bin"
+    source.write_bytes(bytes(range(200)))
+    good = _zip.FileRange(str(source), 10, 100, zlib.crc32(bytes(range(10, 110))), "archive/data/0")
+    bad = _zip.FileRange(str(source), 10, 100, good.crc ^ 1, "archive/data/0")
+    with open(tmp_path / "dst.bin", "wb") as dst:
+        assert _zip.copy_ranges([good], dst.fileno(), 0, check_sources=True) == good.crc
+        assert _zip.copy_ranges([bad], dst.fileno(), 0) == bad.crc  # trusted, not computed
+        with pytest.raises(ValueError, match=r"src.bin: member 'archive/data/0' fails its CRC-32 check"):
+            _zip.copy_ranges([bad], dst.fileno(), 0, check_sources=True)
