@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from ._zip import file_crc32
+from ._file_ranges import file_crc32
 from .dist import env
 from .dist.collectives import all_gather_object, broadcast, raise_on_any_rank
 from .serialization import atomic_write_text, describe_os_error

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ._zip import FileRange, copy_ranges
+from ._file_ranges import FileRange, copy_ranges
 
 __all__ = ["SAFETENSORS_DTYPES", "StreamingSafetensorsWriter"]
 

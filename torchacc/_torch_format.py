@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ._zip import FileRange, ZipWriter
+from ._file_ranges import FileRange
+from ._zip import ZipWriter
 
 __all__ = ["TensorSlot", "StreamingTorchWriter"]
 

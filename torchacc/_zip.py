@@ -1,11 +1,10 @@
-"""The zip container of ``torch.save`` files, written record by record, and byte ranges copied between files.
+"""The zip container of ``torch.save`` files, written record by record (tensor data copied from other files).
 
 torch's own writer (``PyTorchFileWriter``) needs every record's bytes in memory and computes their
 CRC-32 itself. Consolidation and resharding mostly move bytes that already sit in another file: a
 dim-0 shard is a contiguous byte range of the full tensor. ``ZipWriter.add_ranges`` copies such
-ranges through a small reused buffer per copy thread. Each record's CRC-32 is computed as the bytes pass
-or derived from the source records' CRCs (``crc32_combine``), and the copy can check the source records
-it reads whole, so the output costs about a file copy.
+ranges in threads with ``copy_ranges`` (``_file_ranges.py``), which also yields the record's CRC-32,
+so the output costs about a file copy.
 
 The layout is torch's (miniz's): stored records, data aligned to 64 bytes by an ``FB`` padding field,
 a data descriptor after each record, zip64 fields past 4 GiB, and a zip64 end record. ``torch.load``
@@ -15,70 +14,19 @@ the round-trip tests guard the format.
 
 import os
 import struct
-import threading
 import zipfile
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
-__all__ = ["FileRange", "ZipWriter", "copy_ranges", "corrupt_member_message", "crc32_combine", "file_crc32"]
-__all__ += ["read_ranges", "record_table"]
+from ._file_ranges import FileRange, copy_ranges
+
+__all__ = ["ZipWriter", "record_table"]
 
 _ALIGNMENT = 64  # torch.serialization._get_storage_alignment()
 _ZIP32_LIMIT = 0xFFFFFFFF  # sizes and offsets at or above this need zip64 fields (tests lower it)
 _FLAGS = 0x0808  # bit 3: sizes and CRC in the data descriptor; bit 11: UTF-8 names (as miniz writes)
-_CHUNK = 1 << 26  # bytes per write() of a record, and per write-back request
-# Copying through a buffer that stays in the CPU cache beat copy_file_range and sendfile between
-# unaligned offsets (0.46 s against 0.85 s for 2.15 GB; benchmarks/README.md, "Consolidation").
-_COPY_BUFFER = 1 << 20
-_POLY = 0xEDB88320
+_CHUNK = 1 << 26  # bytes per write() of a record
 NUM_COPY_THREADS = 2  # copies in flight at once; reads and writes release the GIL
-_buffers = threading.local()
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """``length`` bytes at ``offset`` in ``path``; when they are a whole zip record, ``crc`` is its CRC-32
-    and ``member`` its name."""
-
-    path: str
-    offset: int
-    length: int
-    crc: int | None = None
-    member: str | None = None
-
-
-def corrupt_member_message(path: str | os.PathLike[str], member: str) -> str:
-    """The error for a zip member whose bytes do not match its CRC-32."""
-    return f"{os.fspath(path)}: member {member!r} fails its CRC-32 check; the file is corrupt, restore it or re-save"
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC-32 polynomial (bit-reflected), as in zlib's crc32.c."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
-for _ in range(31):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's ``crc32_combine``)."""
-    p, k, n = 1 << 31, 3, len2  # x^(8 * len2): the shift of A's CRC past B's bytes
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 def record_table(path: str) -> dict[int, tuple[str, int, int]]:
@@ -95,24 +43,6 @@ def record_table(path: str) -> dict[int, tuple[str, int, int]]:
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             table[info.header_offset + 30 + name_len + extra_len] = (info.filename, info.file_size, info.CRC)
     return table
-
-
-def read_ranges(ranges: list[FileRange], out: memoryview) -> None:
-    """Read the concatenated ``ranges`` into ``out`` (exactly their total length)."""
-    out = memoryview(out).cast("B")
-    position = 0
-    for r in ranges:
-        with open(r.path, "rb", buffering=0) as f:
-            f.seek(r.offset)
-            done = 0
-            while done < r.length:
-                n = f.readinto(out[position + done : position + r.length])
-                if not n:
-                    raise ValueError(f"{r.path}: ends before byte {r.offset + r.length}; the file is truncated")
-                done += n
-        position += r.length
-    if position != out.nbytes:
-        raise AssertionError(f"ranges hold {position} bytes, the buffer {out.nbytes}")
 
 
 class ZipWriter:
@@ -242,84 +172,3 @@ class ZipWriter:
 def _small(value: int) -> int:
     """A 32-bit zip field: the value, or the marker that says "see the zip64 field"."""
     return value if value < _ZIP32_LIMIT else 0xFFFFFFFF
-
-
-def copy_ranges(
-    ranges: list[FileRange], dst_fd: int, dst_offset: int, *, write_back: bool = True, check_sources: bool = False
-) -> int:
-    """Copy the concatenated ``ranges`` to ``dst_fd`` at ``dst_offset``; return their CRC-32.
-
-    A range's CRC-32 is computed from the bytes as they pass, or, for a range with a known ``crc``,
-    taken from it. ``check_sources`` computes those too and compares: the copy then verifies every
-    whole source record it reads, for the cost of the CRC alone. The file position of ``dst_fd``
-    is left alone. With ``write_back``, write-back of the copied bytes starts right away, so a final
-    ``fsync`` finds little left to do; without it the bytes stay in the page cache until the kernel
-    writes them back, as after ``shutil.copyfile``.
-
-    Raises:
-        ValueError: a source file ends before its range does, or a range fails its known CRC-32.
-    """
-    view, crc = _buffer(), 0
-    for r in ranges:
-        compute = r.crc is None or check_sources
-        got = _copy_range(r, dst_fd, dst_offset, view, write_back=write_back, compute_crc=compute)
-        if r.crc is not None and compute and got != r.crc:
-            raise ValueError(corrupt_member_message(r.path, r.member or f"at byte {r.offset}"))
-        crc = crc32_combine(crc, r.crc if r.crc is not None else got, r.length)
-        dst_offset += r.length
-    return crc
-
-
-def _buffer() -> memoryview:
-    """This thread's copy buffer: reused, so copies allocate (and page-fault) nothing per chunk."""
-    view = getattr(_buffers, "view", None)
-    if view is None:
-        view = _buffers.view = memoryview(bytearray(_COPY_BUFFER))
-    return view
-
-
-def _copy_range(
-    r: FileRange, dst_fd: int, dst_offset: int, view: memoryview, *, write_back: bool, compute_crc: bool
-) -> int:
-    src_fd = os.open(r.path, os.O_RDONLY)
-    try:
-        done = flushed = crc = 0
-        while done < r.length:
-            n = os.preadv(src_fd, [view[: min(r.length - done, len(view))]], r.offset + done)
-            if n == 0:
-                raise ValueError(f"{r.path}: ends before byte {r.offset + r.length}; the file is truncated")
-            if compute_crc:
-                crc = zlib.crc32(view[:n], crc)
-            written = 0
-            while written < n:
-                written += os.pwrite(dst_fd, view[written:n], dst_offset + done + written)
-            done += n
-            if write_back and (done - flushed >= _CHUNK or done == r.length) and hasattr(os, "posix_fadvise"):
-                # on Linux DONTNEED starts the write-back of dirty pages
-                os.posix_fadvise(dst_fd, dst_offset + flushed, done - flushed, os.POSIX_FADV_DONTNEED)
-                flushed = done
-    finally:
-        os.close(src_fd)
-    return crc
-
-
-def file_crc32(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> int:
-    """CRC-32 of ``length`` bytes of ``path`` from ``offset`` (default: to the end), read in chunks.
-
-    Raises:
-        ValueError: the file ends before ``offset + length``.
-    """
-    crc, done, view = 0, 0, _buffer()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while length is None or done < length:
-            n = os.preadv(fd, [view if length is None else view[: min(length - done, len(view))]], offset + done)
-            if n == 0:
-                if length is None:
-                    break
-                raise ValueError(f"{os.fspath(path)}: ends before byte {offset + length}; the file is truncated")
-            crc = zlib.crc32(view[:n], crc)
-            done += n
-    finally:
-        os.close(fd)
-    return crc

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._zip import corrupt_member_message, file_crc32, record_table
+from ._file_ranges import corrupt_member_message, file_crc32
+from ._zip import record_table
 from .dist import env
 from .dist.collectives import raise_on_any_rank
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from ._file_ranges import FileRange, read_ranges
 from ._storage_records import is_tensor_record, locate_storages
-from ._zip import FileRange, read_ranges, record_table
+from ._zip import record_table
 from .serialization import verify_file
 from .sharded_state import FORMAT, parse_dtype
 

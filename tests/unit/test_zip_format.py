@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import torchacc
-from torchacc import _zip
+from torchacc import _file_ranges, _zip
+from torchacc._file_ranges import FileRange
 from torchacc._torch_format import StreamingTorchWriter, TensorSlot
 from torchacc.serialization import verify_file
 from torchacc.sharded_state import FORMAT, local_slice
@@ -22,7 +23,7 @@ def test_crc32_combine_matches_zlib():
     rng = random.Random(0)
     for _ in range(100):
         a, b = rng.randbytes(rng.randrange(300)), rng.randbytes(rng.randrange(300))
-        assert _zip.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert _file_ranges.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def write_streamed(path: Path, tensors: dict[str, torch.Tensor], source: Path) -> None:
@@ -33,7 +34,7 @@ def write_streamed(path: Path, tensors: dict[str, torch.Tensor], source: Path) -
     with StreamingTorchWriter(path, {"model": dict(slots), "tied": slots["w"], "plain": [1, "a"]}) as writer:
         for key, value in tensors.items():
             if key == "w":
-                halves = [_zip.FileRange(str(source), offset, 24), _zip.FileRange(str(source), offset + 24, size - 24)]
+                halves = [FileRange(str(source), offset, 24), FileRange(str(source), offset + 24, size - 24)]
                 writer.copy(slots[key], halves)
             else:
                 writer.write(slots[key], value)
@@ -77,14 +78,14 @@ def test_streamed_file_keeps_torch_s_layout_for_computed_offsets(tmp_path, monke
 
 
 def test_copy_moves_ranges_larger_than_its_buffer_and_names_a_truncated_source(tmp_path, monkeypatch):
-    monkeypatch.setattr(_zip, "_COPY_BUFFER", 7)  # every range takes several reads, none of them aligned
-    monkeypatch.setattr(_zip, "_buffers", threading.local())
+    monkeypatch.setattr(_file_ranges, "_COPY_BUFFER", 7)  # every range takes several reads, none of them aligned
+    monkeypatch.setattr(_file_ranges, "_buffers", threading.local())
     write_streamed(tmp_path / "out.pt", TENSORS, tmp_path / "src.pt")
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["model"]["w"], TENSORS["w"])
     source = tmp_path / "short.bin"
     source.write_bytes(b"x" * 10)
     with open(tmp_path / "dst.bin", "wb") as dst, pytest.raises(ValueError, match=r"short.bin: ends before byte 12"):
-        _zip.copy_ranges([_zip.FileRange(str(source), 2, 10)], dst.fileno(), 0)
+        _file_ranges.copy_ranges([FileRange(str(source), 2, 10)], dst.fileno(), 0)
 
 
 def write_shards(directory: Path, full: dict[str, torch.Tensor], placement: str, *, views: bool) -> str:
@@ -207,10 +208,10 @@ def test_a_corrupt_record_copied_in_part_is_found_by_the_checking_thread(tmp_pat
 def test_copy_checks_a_whole_record_only_when_asked(tmp_path):
     source = tmp_path / "src.bin"
     source.write_bytes(bytes(range(200)))
-    good = _zip.FileRange(str(source), 10, 100, zlib.crc32(bytes(range(10, 110))), "archive/data/0")
-    bad = _zip.FileRange(str(source), 10, 100, good.crc ^ 1, "archive/data/0")
+    good = FileRange(str(source), 10, 100, zlib.crc32(bytes(range(10, 110))), "archive/data/0")
+    bad = FileRange(str(source), 10, 100, good.crc ^ 1, "archive/data/0")
     with open(tmp_path / "dst.bin", "wb") as dst:
-        assert _zip.copy_ranges([good], dst.fileno(), 0, check_sources=True) == good.crc
-        assert _zip.copy_ranges([bad], dst.fileno(), 0) == bad.crc  # trusted, not computed
+        assert _file_ranges.copy_ranges([good], dst.fileno(), 0, check_sources=True) == good.crc
+        assert _file_ranges.copy_ranges([bad], dst.fileno(), 0) == bad.crc  # trusted, not computed
         with pytest.raises(ValueError, match=r"src.bin: member 'archive/data/0' fails its CRC-32 check"):
-            _zip.copy_ranges([bad], dst.fileno(), 0, check_sources=True)
+            _file_ranges.copy_ranges([bad], dst.fileno(), 0, check_sources=True)
