@@ -9,6 +9,7 @@ against the CRC-32 they carry; ``crc32_combine`` derives the CRC-32 of a concate
 import os
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["FileRange", "copy_ranges", "corrupt_member_message", "crc32_combine", "file_crc32", "read_ranges"]
@@ -121,26 +122,42 @@ def _buffer() -> memoryview:
 def _copy_range(
     r: FileRange, dst_fd: int, dst_offset: int, view: memoryview, *, write_back: bool, compute_crc: bool
 ) -> int:
-    src_fd = os.open(r.path, os.O_RDONLY)
-    try:
-        done = flushed = crc = 0
-        while done < r.length:
-            n = os.preadv(src_fd, [view[: min(r.length - done, len(view))]], r.offset + done)
-            if n == 0:
-                raise ValueError(f"{r.path}: ends before byte {r.offset + r.length}; the file is truncated")
-            if compute_crc:
-                crc = zlib.crc32(view[:n], crc)
-            written = 0
-            while written < n:
-                written += os.pwrite(dst_fd, view[written:n], dst_offset + done + written)
-            done += n
-            if write_back and (done - flushed >= _WRITE_BACK or done == r.length) and hasattr(os, "posix_fadvise"):
-                # on Linux DONTNEED starts the write-back of dirty pages
-                os.posix_fadvise(dst_fd, dst_offset + flushed, done - flushed, os.POSIX_FADV_DONTNEED)
-                flushed = done
-    finally:
-        os.close(src_fd)
+    done = flushed = crc = 0
+    for chunk in _read_chunks(r.path, r.offset, r.length, view):
+        if compute_crc:
+            crc = zlib.crc32(chunk, crc)
+        written = 0
+        while written < len(chunk):
+            written += os.pwrite(dst_fd, chunk[written:], dst_offset + done + written)
+        done += len(chunk)
+        if write_back and (done - flushed >= _WRITE_BACK or done == r.length) and hasattr(os, "posix_fadvise"):
+            # on Linux DONTNEED starts the write-back of dirty pages
+            os.posix_fadvise(dst_fd, dst_offset + flushed, done - flushed, os.POSIX_FADV_DONTNEED)
+            flushed = done
     return crc
+
+
+def _read_chunks(
+    path: str | os.PathLike[str], offset: int, length: int | None, view: memoryview
+) -> Iterator[memoryview]:
+    """``length`` bytes of ``path`` from ``offset`` (None: to the end), read into ``view`` one chunk at a time.
+
+    Raises:
+        ValueError: the file ends before ``offset + length``.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while length is None or done < length:
+            n = os.preadv(fd, [view if length is None else view[: min(length - done, len(view))]], offset + done)
+            if n == 0:
+                if length is None:
+                    return
+                raise ValueError(f"{os.fspath(path)}: ends before byte {offset + length}; the file is truncated")
+            yield view[:n]
+            done += n
+    finally:
+        os.close(fd)
 
 
 def file_crc32(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> int:
@@ -149,17 +166,7 @@ def file_crc32(path: str | os.PathLike[str], offset: int = 0, length: int | None
     Raises:
         ValueError: the file ends before ``offset + length``.
     """
-    crc, done, view = 0, 0, _buffer()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while length is None or done < length:
-            n = os.preadv(fd, [view if length is None else view[: min(length - done, len(view))]], offset + done)
-            if n == 0:
-                if length is None:
-                    break
-                raise ValueError(f"{os.fspath(path)}: ends before byte {offset + length}; the file is truncated")
-            crc = zlib.crc32(view[:n], crc)
-            done += n
-    finally:
-        os.close(fd)
+    crc = 0
+    for chunk in _read_chunks(path, offset, length, _buffer()):
+        crc = zlib.crc32(chunk, crc)
     return crc

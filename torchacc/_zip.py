@@ -69,7 +69,6 @@ class ZipWriter:
         self._entries: list[tuple[bytes, int, int, int | Future[int]]] = []
         self._num_copy_threads = num_copy_threads
         self._pool: ThreadPoolExecutor | None = None
-        self._copies: list[Future] = []
 
     def _write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -124,7 +123,6 @@ class ZipWriter:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._num_copy_threads, thread_name_prefix="torchacc-copy")
         copy = self._pool.submit(self._copy_record, ranges, header_offset, data_offset, size)
-        self._copies.append(copy)
         self._entries.append((encoded, header_offset, size, copy))
 
     def _copy_record(self, ranges: list[FileRange], header_offset: int, data_offset: int, size: int) -> int:
@@ -136,17 +134,14 @@ class ZipWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=cancel)
             self._pool = None
-        copies, self._copies = self._copies, []
-        if not cancel:
-            for copy in copies:
-                copy.result()  # re-raises a failed copy (a truncated or corrupt source file)
+        if not cancel:  # result() re-raises a failed copy (a truncated or corrupt source file)
+            self._entries = [(n, o, s, c.result() if isinstance(c, Future) else c) for n, o, s, c in self._entries]
 
     def close(self) -> None:
         """Wait for the copies, write the central directory and the end records, and close the file."""
         self._finish_copies(cancel=False)
         cd_offset = self._pos
-        for encoded, offset, size, crc_or_copy in self._entries:
-            crc = crc_or_copy.result() if isinstance(crc_or_copy, Future) else crc_or_copy
+        for encoded, offset, size, crc in self._entries:
             big = [v for v in (size, size) if v >= _ZIP32_LIMIT] + ([offset] if offset >= _ZIP32_LIMIT else [])
             extra = struct.pack(f"<HH{len(big)}Q", 1, 8 * len(big), *big) if big else b""
             small_size, small_offset = _small(size), _small(offset)

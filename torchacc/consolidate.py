@@ -102,10 +102,10 @@ def consolidate(
     return {section: state}
 
 
-def _records_copied_whole(shards: ShardSet, aliases: dict[TensorItem, TensorItem]) -> set[tuple[str, int]]:
-    """(path, data offset) of the source records that writing ``shards`` copies whole."""
+def _records_copied_whole(shards: ShardSet, aliases: dict[TensorItem, TensorItem]) -> set[tuple[str, str]]:
+    """(path, member name) of the source records that writing ``shards`` copies whole."""
     ranges = (shards.byte_ranges(item) or [] for item in shards.items if item not in aliases)
-    return {(r.path, r.offset) for item_ranges in ranges for r in item_ranges if r.crc is not None}
+    return {(r.path, r.member) for item_ranges in ranges for r in item_ranges if r.member is not None}
 
 
 def _set(obj: Any, path: tuple[str, ...], value: Any) -> None:

@@ -22,7 +22,6 @@ import torch
 
 from ._file_ranges import FileRange, read_ranges
 from ._storage_records import is_tensor_record, locate_storages
-from ._zip import record_table
 from .serialization import verify_file
 from .sharded_state import FORMAT, parse_dtype
 
@@ -245,11 +244,11 @@ class ShardSet:
         return full
 
     @contextlib.contextmanager
-    def checking_tensors(self, *, skip: Collection[tuple[str, int]] = ()) -> Iterator[None]:
+    def checking_tensors(self, *, skip: Collection[tuple[str, str]] = ()) -> Iterator[None]:
         """Check the tensor data's CRC-32 (left by ``check_tensors_later``) in a thread while the body runs.
 
         Args:
-            skip: (path, data offset) of records the body checks itself (``copy_ranges(check_sources=True)``).
+            skip: (path, member name) of records the body checks itself (``copy_ranges(check_sources=True)``).
 
         Raises:
             ValueError: at exit, a corrupt file (as ``verify_file``); this takes precedence over an
@@ -269,10 +268,9 @@ class ShardSet:
             done.result()
         self._tensors_unchecked = False
 
-    def _check_tensor_records(self, skip: set[tuple[str, int]]) -> None:
+    def _check_tensor_records(self, skip: set[tuple[str, str]]) -> None:
         for path in self.paths:
-            skipped = {name for offset, (name, _, _) in record_table(path).items() if (path, offset) in skip}
-            verify_file(path, members=lambda name: is_tensor_record(name) and name not in skipped)  # noqa: B023
+            verify_file(path, members=lambda name: is_tensor_record(name) and (path, name) not in skip)  # noqa: B023
 
     def byte_ranges(self, item: TensorItem, start: int = 0, stop: int | None = None) -> list[FileRange] | None:
         """Where bytes ``[start, stop)`` of ``item``'s full tensor (row-major) lie in the shard files.
@@ -321,7 +319,7 @@ class ShardSet:
             return None
         length = tensor.numel() * tensor.element_size()
         if length == 0:
-            return FileRange(self.paths[rank], 0, 0, 0)
+            return FileRange(self.paths[rank], 0, 0)
         record = records.get(tensor.untyped_storage().data_ptr())
         if record is None:
             return None
