@@ -144,6 +144,8 @@ class ResumableDistributedSampler(DistributedSampler):
     Attributes:
         split_start: Entries of the epoch's global order taken before the current split began.
         skip: Leading samples of this rank's share of the split that the next pass leaves out.
+        requested_epoch: The epoch of the latest :meth:`set_epoch` call that the loader has not taken
+            yet, or None; see [Note: The set_epoch idiom] in ``torchacc._sampler_epoch``.
     """
 
     def __init__(
@@ -152,6 +154,27 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.split_start = 0
         self.skip = 0
+        self.requested_epoch: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next pass, as ``DistributedSampler.set_epoch`` does.
+
+        A ``ShardedDataLoader`` over this sampler takes the call as its own ``set_epoch(epoch)``, so
+        the usual ``loader.sampler.set_epoch(epoch)`` before each pass picks the epoch.
+
+        Args:
+            epoch: The epoch; the shuffle is seeded with ``seed + epoch``.
+        """
+        super().set_epoch(epoch)
+        self.requested_epoch = epoch
+
+    def use_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next pass without recording a user call; for the loader's own calls.
+
+        Args:
+            epoch: The epoch; the shuffle is seeded with ``seed + epoch``.
+        """
+        super().set_epoch(epoch)
 
     def split_size(self, split_start: int, num_replicas: int | None = None) -> int:
         """Return the per-rank sample count of the split that starts at ``split_start``.

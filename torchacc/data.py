@@ -23,13 +23,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-)
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ._resumable_sampler import ResumableDistributedSampler
 from .data_loader import ShardedDataLoader
@@ -54,9 +48,17 @@ def _user_shuffle(loader: DataLoader) -> bool:
             "workers, torch.utils.data.get_worker_info(); then pass shard=False (config.dataloader.shard=False) "
             "so torchacc only places batches on the device."
         )
+    # DataLoader(batch_sampler=...) sets batch_size to None, whatever the batch sampler's type (even
+    # torch's BatchSampler); with batch_size= it builds its own BatchSampler and keeps batch_size.
     batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        raise ValueError(f"The DataLoader has a custom batch_sampler ({type(batch_sampler).__name__}). {_FIX}")
+    if loader.batch_size is None and batch_sampler is not None:
+        raise ValueError(
+            f"The DataLoader has a custom batch_sampler ({type(batch_sampler).__name__}), so its batch_size is None "
+            "and torchacc, which replaces the sampler with a DistributedSampler, cannot rebuild its batches. Build "
+            "the DataLoader with batch_size= and shuffle= instead of batch_sampler= (shuffling can also be set with "
+            "config.dataloader.shuffle), or pass shard=False (config.dataloader.shard=False) and split the data "
+            "yourself using torchacc.dist.rank() and torchacc.dist.world_size()."
+        )
     sampler = loader.sampler
     if type(sampler) is SequentialSampler and len(sampler) == len(loader.dataset):
         return False
@@ -104,8 +106,8 @@ def shard_dataloader(
 
     Raises:
         TypeError: If ``loader`` is not a ``torch.utils.data.DataLoader``.
-        ValueError: If the loader has an iterable dataset or a custom sampler/batch_sampler, or
-            ``num_replicas``/``rank`` are out of range.
+        ValueError: If the loader has an iterable dataset, a custom sampler, or any ``batch_sampler=``
+            (even torch's ``BatchSampler``), or ``num_replicas``/``rank`` are out of range.
 
     Example:
         >>> loader = DataLoader(dataset, batch_size=8, shuffle=True)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ._resumable_sampler import MATCHED_FIELDS, STATE_VERSION, ResumableDistributedSampler, batch_count, check_state
+from ._sampler_epoch import apply_epoch, record_user_epochs, take_user_epoch
 from .data_placement import place_batches
 
 __all__ = ["ShardedDataLoader"]
@@ -36,9 +37,12 @@ class _Progress:
 class ShardedDataLoader:
     """Iterable over one rank's batches, already placed on ``device``.
 
-    Each new pass calls ``sampler.set_epoch(epoch)`` (when the sampler has it) so shuffling differs
+    Each new pass sets the sampler's epoch (when the sampler has ``set_epoch``) so shuffling differs
     between epochs and agrees between ranks. ``epoch`` starts at 0 and increments after every pass;
-    ``set_epoch`` overrides the value used by the next pass. Built by :func:`shard_dataloader`.
+    ``set_epoch`` overrides the value used by the next pass. The ``DistributedSampler`` idiom works
+    too: ``loader.sampler.set_epoch(epoch)`` before a pass is the same as ``loader.set_epoch(epoch)``
+    (also for a user's own sampler with ``shard=False``), so setting the saved epoch after
+    :meth:`load_state_dict` continues it. Built by :func:`shard_dataloader`.
 
     The position in the data can be saved with :meth:`state_dict` and restored with
     :meth:`load_state_dict`, also with a different number of ranks.
@@ -51,8 +55,10 @@ class ShardedDataLoader:
         >>> state = loader.state_dict()  # after some steps; store it with the model checkpoint
         >>> # ... in the restarted run, after shard_dataloader()/accelerate():
         >>> loader.load_state_dict(state)
-        >>> for batch in loader:  # continues with the next batch of the saved epoch
-        ...     ...
+        >>> for epoch in range(state["epoch"], num_epochs):
+        ...     loader.sampler.set_epoch(epoch)  # optional; the saved epoch continues where it stopped
+        ...     for batch in loader:
+        ...         ...
     """
 
     def __init__(self, loader: DataLoader, *, device: torch.device, prefetch: bool = True) -> None:
@@ -63,6 +69,7 @@ class ShardedDataLoader:
         self._progress: _Progress | None = None  # the latest pass
         self._resume: _Progress | None = None  # a loaded position the next pass starts at
         self._skip_reads = 0  # batches an unsharded resumed pass reads and discards
+        record_user_epochs(loader.sampler)
 
     @property
     def dataset(self) -> Any:
@@ -79,14 +86,17 @@ class ShardedDataLoader:
     @property
     def epoch(self) -> int:
         """The epoch the next pass will use."""
+        self._take_user_epoch()
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (the shuffle seed offset) used by the next pass.
 
         After :meth:`load_state_dict`, setting the loaded epoch keeps the resume position, and any
-        other epoch discards it so the next pass is a full one.
+        other epoch discards it so the next pass is a full one. ``loader.sampler.set_epoch(epoch)`` has
+        the same effect.
         """
+        self._take_user_epoch()  # a call on the sampler made before this one
         if self._resume is not None and epoch != self._resume.epoch:
             self._clear_resume()
         self._epoch = epoch
@@ -106,6 +116,7 @@ class ShardedDataLoader:
             split over ranks began; 0 unless the epoch was resumed with a different number of ranks),
             ``num_replicas``, ``batch_size``, ``seed``, ``shuffle``, ``drop_last`` and ``dataset_len``.
         """
+        self._take_user_epoch()
         progress = self._resume or self._progress
         if progress is None or progress.done or progress.left == 0:
             progress = _Progress(self._epoch)
@@ -150,6 +161,7 @@ class ShardedDataLoader:
                 ``batch_size``, ``seed``, ``shuffle``, ``drop_last`` or ``dataset_len`` differs from
                 this loader's, or its position is past the end of its epoch.
         """
+        self._take_user_epoch()  # a call on the sampler made before the load does not override it
         sampler = self.loader.sampler
         sharded = isinstance(sampler, ResumableDistributedSampler)
         check_state(state, sharded)
@@ -199,6 +211,12 @@ class ShardedDataLoader:
             self._resume = _Progress(epoch, split_start=sampler.split_start)
         self._epoch = epoch
 
+    def _take_user_epoch(self) -> None:
+        # See [Note: The set_epoch idiom] in torchacc._sampler_epoch.
+        epoch = take_user_epoch(self.loader.sampler)
+        if epoch is not None:
+            self.set_epoch(epoch)
+
     def _clear_resume(self) -> None:
         self._resume = None
         self._skip_reads = 0
@@ -212,13 +230,14 @@ class ShardedDataLoader:
             return None
 
     def __len__(self) -> int:
+        self._take_user_epoch()
         return len(self.loader) - self._skip_reads
 
     def __iter__(self) -> Iterator[Any]:
-        # set_epoch runs here, not lazily on the first next(): the DataLoader iterator draws the
+        # The epoch is set here, not lazily on the first next(): the DataLoader iterator draws the
         # sampler's indices when it is created, so the epoch must be set before iter(self.loader).
-        if hasattr(self.loader.sampler, "set_epoch"):
-            self.loader.sampler.set_epoch(self._epoch)
+        self._take_user_epoch()
+        apply_epoch(self.loader.sampler, self._epoch)
         start = self._resume
         self._resume = None
         if start is None:

@@ -15,7 +15,14 @@ import pytest
 import torch
 import yaml
 from _models import TinyNet
-from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, SubsetRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
 
 import torchacc
 from torchacc.config import ComputeConfig
@@ -532,6 +539,14 @@ CASES = [
         ValueError,
         "op='avg' is not supported; use one of 'sum', 'mean'",
         lambda ctx: torchacc.dist.all_reduce(torch.ones(1), op="avg"),
+    ),
+    Case(
+        "batch-sampler-argument",
+        ValueError,
+        r"custom batch_sampler \(BatchSampler\).*batch_size is None.*batch_size= and shuffle=.*shard=False",
+        lambda ctx: torchacc.accelerate(
+            TinyNet(), DataLoader(samples(), batch_sampler=BatchSampler(RandomSampler(samples()), 4, False))
+        ),
     ),
 ]
 

@@ -5,7 +5,15 @@ from collections import OrderedDict, defaultdict, namedtuple
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    WeightedRandomSampler,
+)
 
 from torchacc.data import ShardedDataLoader, move_to_device, shard_dataloader
 
@@ -191,6 +199,17 @@ def test_custom_batch_sampler_is_rejected() -> None:
     loader = DataLoader(_indices(6), batch_sampler=batch_sampler)
     with pytest.raises(ValueError, match=r"custom batch_sampler \(MyBatchSampler\).*DistributedSampler"):
         shard_dataloader(loader, num_replicas=2, rank=0, device=CPU)
+
+
+def test_batch_sampler_argument_is_rejected() -> None:
+    # Exactly torch's BatchSampler, as DataLoader builds for batch_size=, but given by the user: the
+    # loader's batch_size is then None, so a rebuilt loader would yield unbatched samples.
+    batch_sampler = BatchSampler(RandomSampler(_indices(6)), batch_size=2, drop_last=False)
+    loader = DataLoader(_indices(6), batch_sampler=batch_sampler)
+    with pytest.raises(ValueError, match=r"custom batch_sampler \(BatchSampler\).*batch_size=.*shard=False"):
+        shard_dataloader(loader, num_replicas=2, rank=0, device=CPU)
+    built = DataLoader(_indices(6), batch_size=2, shuffle=True)  # DataLoader's own BatchSampler is fine
+    assert [len(batch) for batch in shard_dataloader(built, num_replicas=2, rank=0, device=CPU)] == [2, 1]
 
 
 def test_iterable_dataset_is_rejected() -> None:
@@ -501,3 +520,108 @@ def test_shard_false_resume_reads_past_consumed_batches() -> None:
         resumed.load_state_dict(_sharded(10, 1, 0).state_dict())
     with pytest.raises(ValueError, match="7 batches of epoch 1 were consumed, but the loader has only 5 batches"):
         resumed.load_state_dict({**state, "batches_consumed": 7})
+
+
+# --- The DistributedSampler idiom: loader.sampler.set_epoch(epoch) before each pass ---------------
+
+
+def _reference(n: int, num_replicas: int, rank: int, epoch: int, seed: int = 7) -> list[int]:
+    sampler = DistributedSampler(_indices(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_sampler_set_epoch_idiom_matches_distributed_sampler() -> None:
+    n, epochs = 23, [3, 4, 4, 1]  # a non-zero start, a repeated epoch, an earlier one
+    for rank in range(2):
+        loader = _sharded(n, 2, rank)
+        for epoch in epochs:
+            loader.sampler.set_epoch(epoch)
+            assert loader.epoch == epoch
+            assert _flat(_collect(loader)) == _reference(n, 2, rank, epoch)
+        assert loader.epoch == epochs[-1] + 1  # without a call, the next pass is the following epoch
+        assert _flat(_collect(loader)) == _reference(n, 2, rank, epochs[-1] + 1)
+
+
+def test_sampler_set_epoch_is_reported_by_state_dict() -> None:
+    loader = _sharded(23, 2, 0)
+    loader.sampler.set_epoch(5)
+    assert loader.state_dict()["epoch"] == 5
+    _take(loader, 2)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches_consumed"]) == (5, 2)
+    loader.sampler.set_epoch(6)  # mid-pass: as loader.set_epoch, it is the next pass's epoch
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches_consumed"]) == (5, 2)
+    _collect(loader)
+    assert loader.state_dict()["epoch"] == 7
+    ordered = _sharded(23, 2, 0)
+    ordered.set_epoch(2)  # the later call wins, whichever object it was made on
+    ordered.sampler.set_epoch(6)
+    assert ordered.state_dict()["epoch"] == 6
+    ordered.sampler.set_epoch(1)
+    ordered.set_epoch(2)
+    assert ordered.state_dict()["epoch"] == 2
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_resume_mid_epoch_then_sampler_set_epoch_idiom(num_replicas: int) -> None:
+    n, start, stop_epoch, consumed = 41, 2, 3, 2
+    for rank in range(num_replicas):
+        uninterrupted = _sharded(n, num_replicas, rank)
+        expected = {}
+        for epoch in range(start, 5):
+            uninterrupted.sampler.set_epoch(epoch)
+            expected[epoch] = _collect(uninterrupted)
+        before = _sharded(n, num_replicas, rank)
+        for epoch in range(start, stop_epoch):
+            before.sampler.set_epoch(epoch)
+            assert _collect(before) == expected[epoch]
+        before.sampler.set_epoch(stop_epoch)
+        assert _take(before, consumed) == expected[stop_epoch][:consumed]
+        state = json.loads(json.dumps(before.state_dict()))
+        assert (state["epoch"], state["batches_consumed"]) == (stop_epoch, consumed)
+        after = _sharded(n, num_replicas, rank)
+        after.load_state_dict(state)
+        after.sampler.set_epoch(state["epoch"])  # the saved epoch keeps the position, as loader.set_epoch does
+        assert len(after) == len(expected[stop_epoch]) - consumed
+        batches = iter(after)
+        first = next(batches).tolist()
+        assert after.state_dict() == {**state, "batches_consumed": consumed + 1}
+        assert [first] + [batch.tolist() for batch in batches] == expected[stop_epoch][consumed:]
+        for epoch in range(stop_epoch + 1, 5):
+            after.sampler.set_epoch(epoch)
+            assert _collect(after) == expected[epoch]
+        discarded = _sharded(n, num_replicas, rank)
+        discarded.load_state_dict(state)
+        discarded.sampler.set_epoch(stop_epoch + 1)  # another epoch: a full pass of it
+        assert len(discarded) == len(expected[stop_epoch + 1])
+        assert _collect(discarded) == expected[stop_epoch + 1]
+        assert discarded.state_dict()["epoch"] == stop_epoch + 2
+
+
+def test_shard_false_user_sampler_set_epoch_idiom() -> None:
+    n, epochs = 23, [3, 4, 4, 1]
+
+    def make(rank: int) -> ShardedDataLoader:
+        sampler = DistributedSampler(_indices(n), num_replicas=2, rank=rank, shuffle=True, seed=7)
+        loader = DataLoader(_indices(n), batch_size=3, sampler=sampler)
+        return shard_dataloader(loader, num_replicas=2, rank=rank, device=CPU, shard=False)
+
+    for rank in range(2):
+        loader = make(rank)
+        expected = {}
+        for epoch in epochs:
+            loader.sampler.set_epoch(epoch)
+            assert loader.state_dict()["epoch"] == epoch
+            expected[epoch] = _collect(loader)
+            assert _flat(expected[epoch]) == _reference(n, 2, rank, epoch)
+        assert loader.state_dict()["epoch"] == epochs[-1] + 1
+        loader.sampler.set_epoch(4)
+        _take(loader, 1)
+        state = loader.state_dict()
+        assert state == {"version": 1, "sharded": False, "epoch": 4, "batches_consumed": 1}
+        resumed = make(rank)
+        resumed.load_state_dict(state)
+        resumed.sampler.set_epoch(state["epoch"])  # keeps the position: reads past the consumed batch
+        assert _collect(resumed) == expected[4][1:]
+        resumed.sampler.set_epoch(3)
+        assert _collect(resumed) == expected[3]
