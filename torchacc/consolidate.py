@@ -17,6 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ._safetensors_format import StreamingSafetensorsWriter
+from ._shard_checks import refuse_output_among_inputs, refuse_writing_into_source
 from ._torch_format import StreamingTorchWriter, TensorSlot
 from .serialization import atomic_write, publish, temp_path
 from .sharded_state import FORMAT, local_slice
@@ -70,7 +71,8 @@ def consolidate(
         ``{section: full_state}`` keyed by the original names, or None when ``return_state`` is False.
 
     Raises:
-        ValueError: any problem with the shard set (see ``ShardSet``) or the arguments; nothing is written.
+        ValueError: a shard-set problem (see ``ShardSet``), bad arguments or an ``out`` among the shards; nothing
+            is written.
     """
     if fmt not in ("torch", "safetensors"):
         raise ValueError(f"fmt={fmt!r} is not supported; use 'torch' or 'safetensors'")
@@ -82,6 +84,7 @@ def consolidate(
     shards = ShardSet(pattern, section=section, verify=verify, check_tensors_later=True)
     aliases = shards.aliases()
     if out is not None:  # from the files, not from the returned state: copying is faster than serializing
+        refuse_output_among_inputs(out, shards.paths)
         writer = _write_safetensors if fmt == "safetensors" else _write_torch
 
         def write(tmp: str) -> None:
@@ -189,8 +192,8 @@ def consolidate_sharded_model_checkpoints(
         un-accelerated model with ``strict=True``, and into an accelerated one with ``load_state_dict``.
 
     Raises:
-        ValueError: a missing, duplicate or foreign rank, mixed world sizes, a shape or dtype mismatch, a
-            truncated or corrupt file; the message names the file and nothing is written.
+        ValueError: a missing, duplicate or foreign rank, mixed world sizes or runs, a shape or dtype mismatch, a
+            damaged file or ``save_path`` among the shards; the message names the file and nothing is written.
 
     Example:
         >>> torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(ckpt_prefix="ckpt/")
@@ -221,7 +224,8 @@ def _resharded_metadata(shards: ShardSet, rank: int, num_shards: int) -> dict[st
         placements = ["shard:0"] if sharded else ["replicate"]
         offset, local = local_slice(tuple(entry["shape"]), placements, mesh["shape"], mesh["coordinate"])
         tensors[key] = {**entry, "placements": placements, "offset": offset, "local_shape": local}
-    return {"format": FORMAT, "world_size": num_shards, "rank": rank, "mesh": mesh, "tensors": tensors}
+    meta = {"format": FORMAT, "world_size": num_shards, "rank": rank, "mesh": mesh, "tensors": tensors}
+    return meta if shards.run_id is None else {**meta, "run_id": shards.run_id}  # still the run that trained it
 
 
 def reshard_checkpoint(
@@ -245,11 +249,12 @@ def reshard_checkpoint(
         The paths written.
 
     Raises:
-        ValueError: ``num_shards < 1``, no model shards in ``src``, or any shard-set problem; nothing is written.
+        ValueError: ``num_shards < 1``, ``dst`` is ``src``, no model shards in ``src`` or a shard-set problem.
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     src, dst = os.fspath(src), os.fspath(dst)
+    refuse_writing_into_source(src, dst, num_shards)
     sets = [ShardSet(os.path.join(src, MODEL_PATTERN), section="model", verify=verify, check_tensors_later=True)]
     if any(name.endswith("-optim.pth") for name in os.listdir(src)):
         optim = ShardSet(os.path.join(src, OPTIM_PATTERN), section="optimizer", verify=verify, check_tensors_later=True)

@@ -6,6 +6,7 @@ meta-device materialization and mixed precision, in that order; ``remap_optimize
 optimizer built too early onto the sharded parameters.
 """
 
+import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ._logging import warn_once
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config
-from .dist.collectives import broadcast_tensors
+from .dist.collectives import broadcast, broadcast_tensors
 from .dist.fsdp import is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
 from .dist.mesh import build_mesh
 from .materialize import check_materializable, has_meta_params, materialize
@@ -43,6 +44,7 @@ class AcceleratedState:
     dp_size: int
     fsdp_size: int
     compute_dtype: torch.dtype | None
+    run_id: str  # new for each accelerated model, the same on all its ranks; recorded in its shard metadata
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,8 @@ def shard_model(
     model.get_shard_metadata = MethodType(get_shard_metadata, model)
     model.load_state_dict = MethodType(load_state_dict, model)
     dp_size = config.resolved_dp_size(world_size)
-    model._torchacc = AcceleratedState(device, mesh, dp_size, config.dist.fsdp.size, dtype)
+    run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
+    model._torchacc = AcceleratedState(device, mesh, dp_size, config.dist.fsdp.size, dtype, run_id)
     return model
 
 

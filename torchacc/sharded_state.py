@@ -4,6 +4,9 @@
 full shape and dtype, the placements over the mesh and this rank's slice (offset and local shape).
 That is all an offline tool needs to rebuild full tensors from per-rank files, without the model,
 its code or a process group. Placements are strings: ``"replicate"`` or ``"shard:<dim>"``.
+``"run_id"`` (a hex string, the same on every rank of one accelerated model and new for each
+``accelerate()``) tells the files of two runs apart, so the offline tools never merge them; files
+saved before it existed have none and are accepted, unless mixed with files that have one.
 """
 
 from typing import Any
@@ -53,9 +56,10 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
     """Describe how ``model``'s state is split across ranks (see [Note: shard metadata]).
 
     Returns:
-        ``{"format", "world_size", "rank", "mesh": {"shape", "dim_names", "coordinate"} or None,
+        ``{"format", "world_size", "rank", "run_id", "mesh": {"shape", "dim_names", "coordinate"} or None,
         "tensors": {key: {"kind", "shape", "dtype", "placements", "offset", "local_shape"}}}``.
         Buffers (and every tensor of a replicated or single-process model) are ``["replicate"]``.
+        ``"run_id"`` is left out for a model that torchacc did not accelerate.
 
     Example:
         >>> ckpt = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}
@@ -87,13 +91,11 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
             offset, local = [0] * value.dim(), list(value.shape)
         entry["offset"], entry["local_shape"] = offset, local
         tensors[key] = entry
-    return {
-        "format": FORMAT,
-        "world_size": env.world_size(),
-        "rank": env.rank(),
-        "mesh": mesh_info,
-        "tensors": tensors,
-    }
+    meta = {"format": FORMAT, "world_size": env.world_size(), "rank": env.rank(), "mesh": mesh_info, "tensors": tensors}
+    accelerated = getattr(model, "_torchacc", None)
+    if accelerated is not None:
+        meta["run_id"] = accelerated.run_id
+    return meta
 
 
 def load_state_dict(

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from ._file_ranges import FileRange, read_ranges
+from ._shard_checks import check_rank, check_tiling, open_shard, order_by_rank
 from ._storage_records import is_tensor_record, locate_storages
 from .serialization import verify_file
-from .sharded_state import FORMAT, parse_dtype
+from .sharded_state import parse_dtype
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
 
@@ -74,10 +75,16 @@ class ShardSet:
         check_tensors_later: with ``verify``, check only the small members now and leave the tensor
             data to ``checking_tensors()``, which overlaps it with the caller's work.
 
+    Attributes:
+        world_size, paths: the run's world size, and its files in rank order.
+        run_id: the run the files come from (see [Note: shard metadata]); None for files saved before run ids.
+        items: every tensor of rank 0's section, with how to rebuild it.
+
     Raises:
-        ValueError: no file matches; a file is truncated, corrupt or not a shard file; ranks are
-            missing, duplicated or outside the world size; world sizes are mixed; a tensor's shape or
-            dtype disagrees with the metadata or with rank 0. Every message names the file(s) concerned.
+        ValueError: no file matches; a file is truncated, corrupt, not a shard file or has damaged
+            metadata; ranks are missing, duplicated or outside the world size; world sizes or run ids
+            are mixed; a tensor's shape or dtype disagrees with the metadata or with rank 0. Every
+            message names the file(s) concerned (see ``torchacc._shard_checks``).
     """
 
     def __init__(
@@ -87,65 +94,20 @@ class ShardSet:
         if not paths:
             raise ValueError(f"no checkpoint files match {pattern!r}; check the directory and the pattern")
         self.section = section
-        by_rank: dict[int, tuple[str, Any]] = {}
-        world_sizes: dict[int, str] = {}
         self._tensors_unchecked = verify and check_tensors_later
-        for path in paths:
-            data = self._open(path, verify)
-            meta = data["shard_metadata"]
-            world_sizes.setdefault(meta["world_size"], path)
-            if len(world_sizes) > 1:
-                (w0, p0), (w1, p1) = list(world_sizes.items())[:2]
-                raise ValueError(
-                    f"mixed world sizes: {p0} is from a {w0}-rank run but {p1} is from a {w1}-rank run; "
-                    "keep one run's files per directory, or narrow the pattern"
-                )
-            if not 0 <= meta["rank"] < meta["world_size"]:
-                raise ValueError(
-                    f"{path}: rank {meta['rank']} does not belong to a {meta['world_size']}-rank checkpoint (ranks 0 "
-                    f"to {meta['world_size'] - 1}); the file comes from another run: remove it or narrow the pattern"
-                )
-            if meta["rank"] in by_rank:
-                raise ValueError(
-                    f"duplicate rank {meta['rank']}: {by_rank[meta['rank']][0]} and {path}; keep one run's files per "
-                    "directory, or narrow the pattern"
-                )
-            by_rank[meta["rank"]] = (path, data)
-        self.world_size = next(iter(world_sizes))
-        missing = sorted(set(range(self.world_size)) - set(by_rank))
-        if missing:
-            raise ValueError(
-                f"missing rank(s) {missing} of a {self.world_size}-rank checkpoint: {len(paths)} file(s) match "
-                f"{pattern!r}; copy the missing files next to the others"
-            )
-        self.paths = [by_rank[r][0] for r in range(self.world_size)]
-        self._data = [by_rank[r][1] for r in range(self.world_size)]
+        opened = ((p, open_shard(p, section, verify=verify, tensors_later=self._tensors_unchecked)) for p in paths)
+        files = order_by_rank(pattern, opened)
+        self.world_size = len(files)
+        self.paths = [path for path, _ in files]
+        self._data = [data for _, data in files]
+        self.run_id: str | None = self._data[0]["shard_metadata"].get("run_id")
         self.items = self._plan()
-        for rank in range(self.world_size):
-            self._check_rank(rank)
+        for path, data in files:
+            check_rank(path, data, section, self.items)
         for item in self.items:
             if item.meta_key is not None:
-                self._check_tiling(item)
+                check_tiling(item, self._pieces(item), os.path.dirname(self.paths[0]) or ".")
         self._records: list[dict[int, tuple[int, int, int]] | None] | None = None
-
-    def _open(self, path: str, verify: bool) -> Any:
-        if verify:
-            verify_file(path, members=(lambda name: not is_tensor_record(name)) if self._tensors_unchecked else None)
-        try:
-            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as exc:
-            raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {exc}") from None
-        if not isinstance(data, dict) or self.section not in data or "shard_metadata" not in data:
-            found = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise ValueError(
-                f"{path}: not a torchacc {self.section} shard: expected keys {self.section!r} and 'shard_metadata', "
-                f"found {found}; save shards as torchacc.save({{{self.section!r}: ..., 'shard_metadata': "
-                "model.get_shard_metadata()}, path, master_only=False)"
-            )
-        meta = data["shard_metadata"]
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: 'shard_metadata' is not from model.get_shard_metadata() (format {FORMAT})")
-        return data
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -188,24 +150,6 @@ class ShardSet:
                 items.append(TensorItem(path, out_path, shape, value.dtype, meta_key if sharded else None))
         return items
 
-    def _check_rank(self, rank: int) -> None:
-        path, data = self.paths[rank], self._data[rank]
-        tensors = data["shard_metadata"]["tensors"]
-        for item in self.items:
-            try:
-                value = get_path(data[self.section], item.path)
-            except (KeyError, TypeError):
-                raise ValueError(f"{path}: {item.name} is missing (rank 0 has it)") from None
-            expected = tuple(tensors[item.meta_key]["local_shape"]) if item.meta_key else item.shape
-            if item.meta_key and tuple(tensors[item.meta_key]["shape"]) != item.shape:
-                raise ValueError(
-                    f"{path}: {item.name} has full shape {tensors[item.meta_key]['shape']} but rank 0 says "
-                    f"{list(item.shape)}; the files come from different models"
-                )
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != item.dtype:
-                got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"{path}: {item.name} is {got}, expected shape {expected} and dtype {item.dtype}")
-
     def _pieces(self, item: TensorItem) -> dict[tuple[int, ...], tuple[int, list[int]]]:
         """Distinct pieces of a sharded tensor: offset -> (rank holding it, local shape)."""
         pieces: dict[tuple[int, ...], tuple[int, list[int]]] = {}
@@ -213,20 +157,6 @@ class ShardSet:
             entry = data["shard_metadata"]["tensors"][item.meta_key]
             pieces.setdefault(tuple(entry["offset"]), (rank, entry["local_shape"]))
         return pieces
-
-    def _check_tiling(self, item: TensorItem) -> None:
-        pieces = self._pieces(item)
-        covered = sum(math.prod(shape) for _, shape in pieces.values())
-        inside = all(
-            o + n <= s
-            for offset, (_, shape) in pieces.items()
-            for o, n, s in zip(offset, shape, item.shape, strict=True)
-        )
-        if covered != math.prod(item.shape) or not inside:
-            raise ValueError(
-                f"{item.name}: the shards in {os.path.dirname(self.paths[0]) or '.'} do not tile its full shape "
-                f"{list(item.shape)} (they cover {covered} of {math.prod(item.shape)} elements); corrupt metadata"
-            )
 
     def full_tensor(self, item: TensorItem) -> torch.Tensor:
         """Rebuild ``item`` on the CPU: read from the files (or copied from the memory-mapped pieces)."""

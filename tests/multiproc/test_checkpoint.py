@@ -78,6 +78,20 @@ def test_optimizer_shards_consolidate_to_the_full_state(saved):
     assert full["param_groups"] == expected["param_groups"]
 
 
+def run_ids(directory: Path) -> set:
+    return {
+        torch.load(p, weights_only=True, mmap=True)["shard_metadata"].get("run_id") for p in directory.glob("rank-*")
+    }
+
+
+def test_the_shards_of_one_run_carry_one_run_id_and_resharding_keeps_it(saved, features):
+    out, _ = saved
+    (run_id,) = run_ids(out / "shards")  # both ranks, model and optimizer files
+    assert isinstance(run_id, str) and len(run_id) == 32, run_id
+    assert run_ids(out / "resharded-4") == {run_id}
+    assert run_ids(features[0]) not in ({run_id}, {None}), "another accelerated model is another run"
+
+
 def test_the_torchacc_optimizer_file_is_complete(saved):
     out, results = saved
     saved_optim = torch.load(out / "shards" / "optimizer.pth", weights_only=True)

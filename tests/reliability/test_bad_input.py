@@ -25,6 +25,7 @@ from torch.utils.data import (
 )
 
 import torchacc
+from torchacc.cli import main
 from torchacc.config import ComputeConfig
 from torchacc.data import shard_dataloader
 from torchacc.dist import env
@@ -82,8 +83,14 @@ class Stream(IterableDataset):
         yield from samples()
 
 
-def write_shard_set(directory: Path, ranks: dict[int, int]) -> str:
-    """Hand-made per-rank files of a 2-parameter model: ``{rank: world_size}``; returns their glob."""
+def write_shard_set(
+    directory: Path, ranks: dict[int, int], *, run_ids: dict[int, str] | None = None, name: str = "r{rank}.pth"
+) -> str:
+    """Hand-made per-rank files of a 2-parameter model: ``{rank: world_size}``; returns their glob.
+
+    ``run_ids`` gives a rank's file a ``"run_id"`` (files without one are as saved before run ids existed);
+    ``name`` is formatted with the rank and the world size.
+    """
     full = torch.arange(8.0).reshape(4, 2)
     for rank, world in ranks.items():
         rows = 4 // world
@@ -96,8 +103,11 @@ def write_shard_set(directory: Path, ranks: dict[int, int]) -> str:
         tensors["b"].update(offset=[0], local_shape=[2])
         mesh = {"shape": [world], "dim_names": ["fsdp"], "coordinate": [rank]}
         meta = {"format": FORMAT, "world_size": world, "rank": rank, "mesh": mesh, "tensors": tensors}
-        torch.save({"model": {"w": rows_here, "b": torch.ones(2)}, "shard_metadata": meta}, directory / f"r{rank}.pth")
-    return str(directory / "r*.pth")
+        if run_ids and rank in run_ids:
+            meta["run_id"] = run_ids[rank]
+        shard = {"model": {"w": rows_here, "b": torch.ones(2)}, "shard_metadata": meta}
+        torch.save(shard, directory / name.format(rank=rank, world=world))
+    return str(directory / name.format(rank="*", world="*"))
 
 
 def consolidate_shards(ranks: dict[int, int]) -> Callable[[Ctx], Any]:
@@ -108,6 +118,36 @@ def duplicate_shard(ctx: Ctx) -> None:
     pattern = write_shard_set(ctx.tmp, {0: 2, 1: 2})
     (ctx.tmp / "r1-copy.pth").write_bytes((ctx.tmp / "r1.pth").read_bytes())
     torchacc.consolidate(pattern)
+
+
+def consolidate_into_a_shard_via_a_symlink(ctx: Ctx) -> None:
+    write_shard_set(ctx.tmp, {0: 2, 1: 2})
+    (ctx.tmp / "alias").symlink_to(ctx.tmp)
+    torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(
+        ckpt_prefix=f"{ctx.tmp}/", ckpt_suffix="r*.pth", save_path=str(ctx.tmp / "alias" / "r1.pth")
+    )
+
+
+def reshard_into_the_source(ctx: Ctx) -> None:
+    write_shard_set(ctx.tmp, {0: 2, 1: 2}, name="rank-{rank}-of-{world}-model.pth")
+    torchacc.reshard_checkpoint(ctx.tmp, f"{ctx.tmp}/.", num_shards=2)
+
+
+def damage_metadata(path: Path, edit: Callable[[dict], Any]) -> None:
+    shard = torch.load(path, weights_only=True)
+    edit(shard["shard_metadata"])
+    torch.save(shard, path)
+
+
+def damaged_metadata(edit: Callable[[dict], Any]) -> Callable[[Ctx], Any]:
+    """Consolidate a shard set whose rank-1 file has ``edit`` applied to its ``shard_metadata``."""
+
+    def trigger(ctx: Ctx) -> Any:
+        pattern = write_shard_set(ctx.tmp, {0: 2, 1: 2})
+        damage_metadata(ctx.tmp / "r1.pth", edit)
+        return torchacc.consolidate(pattern)
+
+    return trigger
 
 
 def saved_checkpoint(ctx: Ctx, model: torch.nn.Module | None = None) -> Path:
@@ -548,6 +588,59 @@ CASES = [
             TinyNet(), DataLoader(samples(), batch_sampler=BatchSampler(RandomSampler(samples()), 4, False))
         ),
     ),
+    # --- offline consolidation: outputs that are inputs, shards of two runs, damaged metadata ---
+    Case(
+        "consolidate-out-is-an-input-shard",
+        ValueError,
+        r"the output path '.*r0.pth' is the input shard file .*r0.pth: writing it would destroy the shards; "
+        "choose another output path",
+        lambda ctx: torchacc.consolidate(write_shard_set(ctx.tmp, {0: 2, 1: 2}), out=ctx.tmp / "r0.pth"),
+    ),
+    Case(
+        "consolidate-save-path-is-an-input-shard-via-a-symlink",
+        ValueError,
+        r"the output path '.*alias/r1.pth' is the input shard file .*r1.pth.*choose another output path",
+        consolidate_into_a_shard_via_a_symlink,
+    ),
+    Case(
+        "reshard-into-its-source-directory",
+        ValueError,
+        r"the output directory '.*/\.' is the source directory .*: the resharded files would replace "
+        r".*rank-0-of-2-model.pth.*choose another output directory",
+        reshard_into_the_source,
+    ),
+    Case(
+        "shard-set-of-two-runs",
+        ValueError,
+        "shards of different training runs: .*r0.pth is from run 'run-a' but .*r1.pth is from run 'run-b'; "
+        "keep one run's files per directory, or narrow the pattern",
+        lambda ctx: torchacc.consolidate(write_shard_set(ctx.tmp, {0: 2, 1: 2}, run_ids={0: "run-a", 1: "run-b"})),
+    ),
+    Case(
+        "shard-set-run-id-beside-none",
+        ValueError,
+        "shards of different training runs: .*r0.pth is from a run with no run id .* but .*r1.pth is from run 'run-b'",
+        lambda ctx: torchacc.consolidate(write_shard_set(ctx.tmp, {0: 2, 1: 2}, run_ids={1: "run-b"})),
+    ),
+    Case(
+        "shard-metadata-without-tensors",
+        ValueError,
+        r"r1.pth: shard_metadata is damaged: it has no 'tensors'; re-save the shards with torchacc.save\(.*"
+        r"model.get_shard_metadata\(\).*master_only=False\)",
+        damaged_metadata(lambda meta: meta.pop("tensors")),
+    ),
+    Case(
+        "shard-metadata-entry-without-offset",
+        ValueError,
+        r"r1.pth: shard_metadata is damaged: tensors\['w'\] has no 'offset'; re-save the shards",
+        damaged_metadata(lambda meta: meta["tensors"]["w"].pop("offset")),
+    ),
+    Case(
+        "shard-metadata-rank-not-an-int",
+        ValueError,
+        r"r1.pth: shard_metadata is damaged: 'rank' is '1' \(str\), expected an int; re-save the shards",
+        damaged_metadata(lambda meta: meta.update(rank="1")),
+    ),
 ]
 
 
@@ -565,3 +658,29 @@ def test_a_consistent_hand_made_shard_set_consolidates(tmp_path):
     """The shard-set cases above fail for the reason named, not because the hand-made files are malformed."""
     full = torchacc.consolidate(write_shard_set(tmp_path, {0: 2, 1: 2}))["model"]
     assert torch.equal(full["w"], torch.arange(8.0).reshape(4, 2))
+
+
+@pytest.mark.parametrize("damage", ["out-is-an-input", "metadata-without-tensors"])
+def test_the_cli_refuses_bad_shards_in_one_line_and_writes_nothing(tmp_path, capsys, damage):
+    write_shard_set(tmp_path, {0: 2, 1: 2})
+    args = ["consolidate", "--ckpt-dir", str(tmp_path), "--pattern", "r*.pth", "--quiet"]
+    if damage == "out-is-an-input":
+        args += ["--out", str(tmp_path / "r0.pth")]
+        expected = "is the input shard file"
+    else:
+        damage_metadata(tmp_path / "r1.pth", lambda meta: meta.pop("tensors"))
+        expected = "shard_metadata is damaged: it has no 'tensors'"
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("torchacc: error: ") and captured.err.count("\n") == 1, captured.err
+    assert expected in captured.err and "Traceback" not in captured.out + captured.err
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_one_run_s_shards_consolidate_and_resharding_keeps_the_run_id(tmp_path):
+    write_shard_set(tmp_path, {0: 2, 1: 2}, run_ids={0: "run-a", 1: "run-a"}, name="rank-{rank}-of-{world}-model.pth")
+    full = torchacc.consolidate(str(tmp_path / "rank-*-of-2-model.pth"))["model"]
+    assert torch.equal(full["w"], torch.arange(8.0).reshape(4, 2))
+    for path in torchacc.reshard_checkpoint(tmp_path, tmp_path / "re", num_shards=3):
+        assert torch.load(path, weights_only=True)["shard_metadata"]["run_id"] == "run-a"
