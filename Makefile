@@ -35,6 +35,7 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --gc --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/capacity.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/setup_time.py
 	$(PY) benchmarks/consolidate.py
 
 clean:

@@ -19,3 +19,19 @@ def test_consolidate_quick(tmp_path):
         assert f"| `{variant}` |" in proc.stdout, proc.stdout
     assert "torchacc streaming with sync_files=False (no fsync, as copy) >= 70% of copy speed" in proc.stdout
     assert not any((tmp_path / "work").iterdir()), "the temporary checkpoint was not deleted"
+
+
+def test_setup_time_quick(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(BENCHMARKS / "setup_time.py"), "--quick", "--out", str(tmp_path / "setup_time.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    setup_table = proc.stdout.split("### tensor_digest")[0]
+    cells = [line.split(" | ") for line in setup_table.splitlines() if line.startswith("| L2-E128 |")]
+    rows = {row[2]: row for row in cells}
+    contenders = ["torchacc", "torchacc full broadcast", "torchacc no sync", "FSDP2", "torchacc, ranks differ"]
+    assert sorted(rows) == sorted(contenders), proc.stdout
+    assert rows["torchacc"][6] == "0", "ranks built alike must send no tensor"
+    assert rows["torchacc full broadcast"][6] == rows["torchacc, ranks differ"][6] != "0", proc.stdout
+    assert "| model | param GB | digest ms | digest GB/s |" in proc.stdout, proc.stdout
+    assert (tmp_path / "setup_time.json").is_file()

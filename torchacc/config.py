@@ -93,7 +93,9 @@ class FSDPConfig(Node):
     reduce_dtype: str = "float32"
     """Dtype of the gradient reduce-scatter/all-reduce: "float32" (default, exact), "bfloat16" or "float16"."""
     sync_module_states: bool = True
-    """Broadcast rank 0's parameters and buffers before sharding so all ranks start identical."""
+    """Make every rank start from rank 0's parameters and buffers. With FSDP or HSDP the ranks first compare a
+    digest of each tensor, and only the tensors that differ from rank 0's are broadcast (nothing when all ranks
+    built the same model); plain DP leaves it to DDP, which broadcasts them all."""
     init_from: str | None = None
     """For a model built with ``torchacc.init_empty_weights()``: a consolidated ``.pth`` file or a Hugging Face
     directory (safetensors) to fill the shards from; each rank reads only its slices. None uses the model's own

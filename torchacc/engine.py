@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ._logging import warn_once
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config
-from .dist.collectives import broadcast, broadcast_tensors
+from .dist.collectives import broadcast, sync_tensors
 from .dist.fsdp import is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
 from .dist.mesh import build_mesh
 from .materialize import check_materializable, has_meta_params, materialize
@@ -171,7 +171,7 @@ def shard_model(
             warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
     if mesh is not None:
         if config.dist.fsdp.sync_module_states and not plan.meta:
-            broadcast_tensors([*model.parameters(), *model.buffers()])
+            sync_tensors([*model.parameters(), *model.buffers()])
         reduce_dtype = getattr(torch, config.dist.fsdp.reduce_dtype)
         mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
         if parallelize_fn is not None:

@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import torchacc
+import torchacc.engine
+from torchacc.dist.collectives import sync_tensors
 
 NUM_STEPS = 5
 LR = 1e-3
@@ -157,6 +159,7 @@ def fsdp_suite() -> dict:
         "fp16": low_precision("fp16"),
         "collectives": collectives(),
         "stale_optimizer": stale_optimizer(),
+        "sync": sync_states(),
     }
 
 
@@ -184,3 +187,58 @@ def stale_optimizer() -> dict:
         return {"error": None}
     except RuntimeError as exc:
         return {"error": str(exc)}
+
+
+def _sync_tensors() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(64, 48, generator=gen),
+        torch.randn(40, generator=gen).to(torch.bfloat16),
+        torch.randint(-9, 9, (5, 3), generator=gen),
+        torch.rand(7, generator=gen) > 0.5,
+        torch.randn(6, 4, generator=gen).to(torch.float16).t(),
+    ]
+
+
+def sync_states() -> dict:
+    """sync_tensors sends only what differs from rank 0, and accelerate() goes through it."""
+    rank = torchacc.dist.rank()
+    agreeing = _sync_tensors()
+    num_agreeing = sync_tensors(agreeing)
+    mixed = _sync_tensors()
+    if rank == 1:
+        mixed[0][3, [5, 9]] = mixed[0][3, [9, 5]].clone()  # a swap: the same values, in another order
+    sent: list[int] = []
+    real_broadcast = dist.broadcast
+
+    def spy(tensor, *args, **kwargs):
+        sent.append(tensor.numel())
+        return real_broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = spy
+    try:
+        num_mixed = sync_tensors(mixed)
+    finally:
+        dist.broadcast = real_broadcast
+    counts: list[int] = []
+    real_sync = torchacc.engine.sync_tensors
+
+    def counting_sync(tensors, **kwargs):
+        tensors = list(tensors)
+        counts.append((real_sync(tensors, **kwargs), len(tensors)))
+        return counts[-1][0]
+
+    torchacc.engine.sync_tensors = counting_sync
+    try:
+        for seed in (0, rank):
+            torchacc.accelerate(tiny_gpt2(seed=seed), config=gpt2_config(fsdp=2))
+    finally:
+        torchacc.engine.sync_tensors = real_sync
+    return {
+        "num_agreeing": num_agreeing,
+        "num_mixed": num_mixed,
+        "sent": sent,
+        "mixed": mixed,
+        "expected": _sync_tensors(),
+        "engine_counts": counts,
+    }

@@ -7,6 +7,7 @@ here, in the pytest process, on the concatenation of the ranks' batches.
 from pathlib import Path
 
 import pytest
+import torch
 from _launch import launch
 from _parity import assert_parity
 from torch.distributed.tensor import Replicate, Shard
@@ -94,3 +95,15 @@ def test_optimizer_built_before_accelerate_fails_at_its_first_step(two_ranks):
     for rank_result in two_ranks:
         error = rank_result["stale_optimizer"]["error"]
         assert error and "replaced by sharded ones" in error and "optimizer=optimizer" in error
+
+
+def test_sync_sends_only_the_tensors_that_differ(two_ranks):
+    for rank_result in two_ranks:
+        sync = rank_result["sync"]
+        assert sync["num_agreeing"] == 0, "ranks that agree must send nothing"
+        assert sync["num_mixed"] == 1, "rank 1 differs in one tensor only (two values swapped)"
+        assert sync["sent"] == [64 * 48], "exactly that tensor's elements must be broadcast"
+        for got, want in zip(sync["mixed"], sync["expected"], strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        (same, num_tensors), (differ, _) = sync["engine_counts"]
+        assert same == 0 and 0 < differ <= num_tensors, sync["engine_counts"]
