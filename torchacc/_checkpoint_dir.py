@@ -3,6 +3,7 @@
 See [Note: checkpoint atomicity] in ``torchacc/checkpoint.py``; all but ``check_save_args`` run on rank 0.
 """
 
+import json
 import os
 import re
 import shutil
@@ -11,12 +12,14 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .serialization import atomic_write_text, describe_os_error, fsync_dir
+from ._safe_load import UnsafeFileError, decode, encode
+from .serialization import atomic_write_text, describe_os_error, fsync_dir, remove_stale_temps
 
-__all__ = ["LATEST", "check_save_args", "next_tag", "clean_leftovers", "publish"]
-__all__ += ["describe_failure", "find_short_file", "swap_in"]
+__all__ = ["LATEST", "MARKER", "check_save_args", "check_extra", "next_tag", "clean_leftovers", "publish"]
+__all__ += ["describe_failure", "find_short_file", "swap_in", "write_marker", "is_marked"]
 
 LATEST = "latest"
+MARKER = "torchacc-checkpoint.json"  # written into every save_checkpoint directory: see is_marked
 TAG = re.compile(r"^checkpoint-(\d+)$")
 LEFTOVER = re.compile(r"^\.(.+)\.(incomplete|replaced)$")
 
@@ -32,14 +35,55 @@ def check_save_args(model: Any, scheduler: Any, dataloader: Any, extra: Any, tag
                 f"{name}= must have state_dict() and load_state_dict(), got {type(obj).__name__}; pass {hint}"
             )
     if extra is not None and not isinstance(extra, dict):
-        raise ValueError(f"extra= must be a dict of picklable values, got {type(extra).__name__}")
+        raise ValueError(f"extra= must be a dict of tensors, containers, numbers, strings; got {type(extra).__name__}")
     if tag is not None and (
-        not isinstance(tag, str) or not tag or tag.startswith(".") or tag == LATEST or "/" in tag or os.sep in tag
+        not isinstance(tag, str)
+        or not tag
+        or tag.startswith(".")
+        or tag == LATEST
+        or "/" in tag
+        or os.sep in tag
+        or tag != tag.strip()
+        or not tag.isprintable()
     ):
+        # 'latest' holds the tag as text, read back stripped: "final " would resolve to another checkpoint
         raise ValueError(
             f"tag={tag!r} is not a plain directory name; use e.g. 'checkpoint-7' (no '/', not starting with '.', "
-            f"not {LATEST!r})"
+            f"no surrounding whitespace or control characters, not {LATEST!r})"
         )
+
+
+def check_extra(extra: dict[str, Any] | None) -> str | None:
+    """Why ``extra`` would not load back without ``weights_only=False``, or None (checked on every rank)."""
+    if not extra:
+        return None
+    try:
+        decode(encode(extra), weights_only=True, what="extra")
+    except UnsafeFileError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        kind = f" (found {found.group(1)})" if found else ""
+        return (
+            f"extra= holds values that could not be loaded back without running code{kind}; keep tensors, "
+            "containers, numbers and strings (a numpy array: torch.from_numpy(array); an object: its state as a dict)"
+        )
+    except Exception as exc:
+        return f"extra= cannot be saved: {type(exc).__name__}: {exc}"
+    return None
+
+
+def write_marker(staging: str, tag: str) -> None:
+    """Mark a checkpoint directory as written by ``save_checkpoint`` under ``tag`` (rank 0)."""
+    with open(os.path.join(staging, MARKER), "w") as f:
+        json.dump({"format": "torchacc-checkpoint/1", "tag": tag}, f)
+
+
+def is_marked(path: str) -> bool:
+    """True for a directory ``save_checkpoint`` wrote under its current name: the only ones rotation deletes."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            return json.load(f).get("tag") == os.path.basename(os.path.normpath(path))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def next_tag(directory: str) -> str:
@@ -50,11 +94,10 @@ def next_tag(directory: str) -> str:
 
 def clean_leftovers(directory: str) -> None:
     """Remove what killed saves left behind; restore a checkpoint moved aside by an interrupted re-save."""
+    remove_stale_temps(os.path.join(directory, LATEST))
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.startswith(f"{LATEST}.tmp-"):
-            os.remove(path)
-        elif m := LEFTOVER.match(name):
+        if m := LEFTOVER.match(name):
             target = os.path.join(directory, m.group(1))
             if m.group(2) == "replaced" and not os.path.exists(target):
                 os.replace(path, target)

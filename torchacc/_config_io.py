@@ -81,12 +81,29 @@ def to_yaml(node: Node) -> str:
 
 def from_yaml(cls: type, path: str | os.PathLike[str]) -> Any:
     """Build ``cls`` from a YAML file; a ValueError gets the file name appended."""
-    from omegaconf import OmegaConf
-
+    data = load_yaml(path)
     try:
-        return merge(cls, [OmegaConf.load(path)])
+        return merge(cls, [data])
     except ValueError as e:
         raise ValueError(f"{e} (in {os.fspath(path)})") from None
+
+
+def load_yaml(path: str | os.PathLike[str]) -> Any:
+    """A config file's mapping; a file holding anything else (a scalar, a list) is a ValueError."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"config: not valid YAML ({' '.join(str(e).split())}) (in {os.fspath(path)})") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ValueError(
+            f"config: the file holds {fmt(data)} ({type(data).__name__}), not a mapping of sections; write e.g. "
+            f"'dist: {{fsdp: {{size: 2}}}}' (Config().to_yaml() shows every section) (in {os.fspath(path)})"
+        )
+    return OmegaConf.create(data or {})
 
 
 def from_cli(cls: type, argv: Sequence[str] | None, base: Any) -> Any:
@@ -101,7 +118,7 @@ def from_cli(cls: type, argv: Sequence[str] | None, base: Any) -> Any:
         if not sep or "" in key.split("."):
             raise ValueError(f"{arg!r}: expected KEY=VALUE such as dist.fsdp.size=2, or config=PATH.yaml")
         if key == "config":
-            files.append(OmegaConf.load(value))
+            files.append(load_yaml(value))
         else:
             overrides.append(arg)
     for arg in overrides:
@@ -231,6 +248,13 @@ def _require_sections(src: Any, cls: type, path: str) -> None:
         tp = dict(field_types(cls)).get(key)
         if dataclasses.is_dataclass(tp):
             _require_sections(value, tp, f"{path}.{key}".lstrip("."))
+        elif typing.get_origin(tp) in (set, list) and isinstance(value, Mapping):
+            # YAML reads {GPT2Block} (a Python set literal) as the mapping {GPT2Block: null}
+            names = ", ".join(map(str, value))
+            raise ValueError(
+                f"{path}.{key}".lstrip(".") + f": got {{{names}}}, which YAML reads as a mapping, not a set; "
+                f"write a YAML list: [{names}] (on the command line: {f'{path}.{key}'.lstrip('.')}=[{names}])"
+            )
 
 
 def _build(cls: type, data: Mapping[str, Any]) -> Any:

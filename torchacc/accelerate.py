@@ -1,8 +1,9 @@
 """``accelerate()``: the one call that turns a plain model and loader into a sharded training setup.
 
-Order of work: validate the config, the model, the loader and the optimizer (no collective has
-run yet, so a mistake raises the same error on every rank instead of hanging) -> process group
-and mesh -> the engine (activation checkpointing -> compile -> ``fully_shard`` bottom-up then the
+Order of work: validate the config, the model, the loader and the optimizer without communicating
+-> process group -> one meeting of all ranks that compares their configs and shares any validation
+error, so that a mistake (even one made on one rank only) raises on every rank instead of hanging
+-> mesh -> the engine (activation checkpointing -> compile -> ``fully_shard`` bottom-up then the
 root, or DDP -> meta-device materialization -> mixed precision) -> optimizer remap. The engine
 (``torchacc/engine.py``) is shared with ``FSDP2Strategy``.
 """
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 from .config import Config
 from .data import ShardedDataLoader, shard_dataloader
 from .dist import env
-from .engine import make_mesh, plan_model, remap_optimizer, shard_model
+from .engine import agree_on_config, make_mesh, plan_model, remap_optimizer, report_config_error, shard_model
 
 __all__ = ["accelerate"]
 
@@ -65,29 +66,35 @@ def accelerate(
     config = Config() if config is None else config
     _check_types(model, dataloader, config)
     world_size, rank = env.world_size(), env.rank()
-    config.validate(world_size)
-    plan = plan_model(model, config, optimizer=optimizer)
-    device = env.device()
-    loader = None
-    if dataloader is not None:
-        loader = shard_dataloader(
-            dataloader,
-            num_replicas=world_size,
-            rank=rank,
-            device=device,
-            shuffle=config.dataloader.shuffle,
-            drop_last=config.dataloader.drop_last,
-            seed=config.dataloader.seed,
-            prefetch=config.dataloader.prefetch,
-            shard=config.dataloader.shard,
-        )
+    try:
+        config.validate(world_size)
+        plan = plan_model(model, config, optimizer=optimizer)
+        device = env.device()
+        loader = None
+        if dataloader is not None:
+            loader = shard_dataloader(
+                dataloader,
+                num_replicas=world_size,
+                rank=rank,
+                device=device,
+                shuffle=config.dataloader.shuffle,
+                drop_last=config.dataloader.drop_last,
+                seed=config.dataloader.seed,
+                prefetch=config.dataloader.prefetch,
+                shard=config.dataloader.shard,
+            )
+    except (ValueError, TypeError) as exc:
+        if world_size > 1:
+            report_config_error(config, exc)
+        raise
 
     # Everything above only checks; everything below may communicate.
     env.init_distributed(timeout=config.dist.timeout)
+    agree_on_config(config, None)
     mesh = make_mesh(config, world_size=world_size, device=device)
     shard_model(model, config, plan, mesh=mesh, device=device, world_size=world_size)
     if optimizer is not None:
-        remap_optimizer(optimizer, plan, model)
+        remap_optimizer(optimizer, model)
         return model, loader, optimizer
     return model if loader is None else (model, loader)
 

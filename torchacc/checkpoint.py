@@ -16,10 +16,15 @@ leaves ``latest`` naming a complete checkpoint. Re-saving an existing tag first 
 save (a full disk, a directory one rank cannot write) raises on every rank and removes its staging
 directory; leftovers of a killed save are removed (or a ``.replaced`` one restored) by the next save.
 Only one job may save into a directory at a time.
+
+[Note: per-rank extra] DCP stores one copy of each non-tensor entry, so ``extra`` is kept under one
+key per rank (``extra/rank-<r>``): every rank gets back the value it saved (its own RNG states, say).
+Loaded at a larger world size, the ranks the checkpoint did not have get rank 0's ``extra``.
+Non-tensor entries are encoded so that loading them runs no code (see [Note: safe loading] in
+``torchacc._safe_load``).
 """
 
 import os
-import pickle
 import shutil
 from typing import Any
 
@@ -31,6 +36,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _checkpoint_dir as _dir
 from . import _checksums
+from ._logging import warn_once
+from ._safe_load import SafeLoadPlanner, SafeReader, UnsafeFileError, decode, encode
 from .data import ShardedDataLoader
 from .dist import env
 from .dist.collectives import broadcast, raise_on_any_rank
@@ -40,6 +47,7 @@ from .serialization import describe_os_error
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "resume_latest"]
 
 LATEST = _dir.LATEST
+FORMAT = "torchacc-dcp/2"  # 1: non-tensor entries pickled, one extra for all ranks
 
 
 def save_checkpoint(
@@ -62,7 +70,8 @@ def save_checkpoint(
         optimizer: its optimizer (state keyed by parameter names).
         scheduler: anything with ``state_dict()``/``load_state_dict()`` (an LR scheduler).
         dataloader: the loader returned by ``accelerate()``; its position (epoch, batches consumed) is saved.
-        extra: picklable values to keep (step counters, RNG states...); returned by ``load_checkpoint``.
+        extra: values to keep (step counters, RNG states...): tensors, containers, numbers and strings; each
+            rank keeps its own (see [Note: per-rank extra]) and gets it back from ``load_checkpoint``.
         tag: the checkpoint's name; default ``checkpoint-<n+1>``.
 
     Returns:
@@ -79,6 +88,8 @@ def save_checkpoint(
     _dir.check_save_args(model, scheduler, dataloader, extra, tag)
     directory = os.fspath(directory)
     what = f"save_checkpoint({directory!r})"
+    # extra differs between ranks, so a bad one may show on one rank only: every rank must hear of it
+    raise_on_any_rank(_dir.check_extra(extra), what=what, error_type=ValueError)
     error = None
     if env.rank() == 0:
         try:
@@ -86,6 +97,7 @@ def save_checkpoint(
             _dir.clean_leftovers(directory)
             tag = tag or _dir.next_tag(directory)
             os.makedirs(os.path.join(directory, f".{tag}.incomplete"))
+            _dir.write_marker(os.path.join(directory, f".{tag}.incomplete"), tag)
         except OSError as exc:
             error = describe_os_error(exc, exc.filename or directory)
     raise_on_any_rank(error, what=what)
@@ -98,12 +110,12 @@ def save_checkpoint(
         for name, values in osd["state"].items():
             for key, value in values.items():
                 state[f"optim/{name}/{key}"] = value
-        state["optim_param_groups"] = _pack(osd["param_groups"])
+        state["optim_param_groups"] = encode(osd["param_groups"])
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
-            state[key] = _pack(obj.state_dict())
-    state["extra"] = _pack(dict(extra or {}))
-    state["torchacc"] = _pack({"world_size": env.world_size(), "format": "torchacc-dcp/1"})
+            state[key] = encode(obj.state_dict())
+    state[f"extra/rank-{env.rank()}"] = encode(dict(extra or {}))
+    state["torchacc"] = encode({"world_size": env.world_size(), "format": FORMAT})
     error = write_staging(state, staging)
     if error is not None:
         if env.rank() == 0:
@@ -119,15 +131,6 @@ def save_checkpoint(
             error = describe_os_error(exc, exc.filename or final)
     raise_on_any_rank(error, what=what)
     return final
-
-
-def _pack(obj: Any) -> bytes:
-    # DCP flattens nested dicts and lists into one key per leaf; pickled bytes stay one opaque entry.
-    return pickle.dumps(obj)
-
-
-def _unpack(blob: Any) -> Any:
-    return pickle.loads(blob)
 
 
 def write_staging(state: dict[str, Any], staging: str) -> str | None:
@@ -166,6 +169,7 @@ def resume_latest(
     scheduler: Any = None,
     dataloader: ShardedDataLoader | None = None,
     verify: bool = True,
+    weights_only: bool = True,
 ) -> dict[str, Any] | None:
     """Load the newest complete ``save_checkpoint`` checkpoint under ``directory``, if there is one.
 
@@ -177,6 +181,7 @@ def resume_latest(
         directory: the root given to ``save_checkpoint`` (it need not exist yet).
         model, optimizer, scheduler, dataloader: filled in place, as in ``load_checkpoint``.
         verify: check every file's CRC-32 against the checksums recorded at save.
+        weights_only: as in ``load_checkpoint``.
 
     Returns:
         The ``extra`` dict of the loaded checkpoint, or None when ``directory`` holds no checkpoint yet.
@@ -193,7 +198,13 @@ def resume_latest(
     if path is None:
         return None
     return load_checkpoint(
-        path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader, verify=verify
+        path,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataloader=dataloader,
+        verify=verify,
+        weights_only=weights_only,
     )
 
 
@@ -221,6 +232,7 @@ def load_checkpoint(
     scheduler: Any = None,
     dataloader: ShardedDataLoader | None = None,
     verify: bool = True,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint``, at any world size. Every rank must call it.
 
@@ -229,14 +241,17 @@ def load_checkpoint(
         model, optimizer, scheduler, dataloader: filled in place; each must have been saved.
         verify: check every file's CRC-32 against the checksums recorded at save (the ranks share the reading);
             False checks only the sizes.
+        weights_only: load without running code from the files (see [Note: safe loading] in
+            ``torchacc._safe_load``); False only for checkpoints you trust that hold other objects (numpy
+            arrays in ``extra``) or were written by torchacc before format 2.
 
     Returns:
-        The ``extra`` dict that was saved.
+        The ``extra`` dict this rank saved (see [Note: per-rank extra]).
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
         ValueError: a missing, truncated or corrupt file (named), the checkpoint lacks something asked for,
-            or holds keys this model does not have.
+            holds keys this model does not have, or holds objects that would run code (with ``weights_only``).
     """
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, ".metadata")):
@@ -249,9 +264,12 @@ def load_checkpoint(
         path = latest
     what = f"load_checkpoint({path!r})"
     _checksums.verify(path, full=verify, what=what)
+    reader = SafeReader(path, weights_only=weights_only)
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = reader.read_metadata()
         saved = metadata.state_dict_metadata
+    except UnsafeFileError:
+        raise
     except Exception as exc:
         raise ValueError(
             f"{os.path.join(path, '.metadata')}: unreadable ({type(exc).__name__}: {exc}); the checkpoint is damaged: "
@@ -274,26 +292,44 @@ def load_checkpoint(
         if obj is not None:
             _require(saved, key, path, key)
             state[key] = None
-    state["extra"] = None
+    extra_key = _extra_key(saved, path)
+    state[extra_key] = None
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only=weights_only))
     except CheckpointException as exc:  # raised on every rank
         detail = _dir.find_short_file(path, metadata) or _dir.describe_failure(exc, path)
         raise ValueError(f"{what} failed: {detail}") from None
 
     model.load_state_dict({k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")})
     if optimizer is not None:
-        osd: dict[str, Any] = {"state": {}, "param_groups": _unpack(state["optim_param_groups"])}
+        groups = decode(state["optim_param_groups"], weights_only=weights_only, what=f"{path}: optimizer groups")
+        osd: dict[str, Any] = {"state": {}, "param_groups": groups}
         for key, value in state.items():
             if key.startswith("optim/"):
                 name, _, state_key = key.removeprefix("optim/").rpartition("/")
                 osd["state"].setdefault(name, {})[state_key] = value
         load_optim_state_dict(model, optimizer, osd)
-    if scheduler is not None:
-        scheduler.load_state_dict(_unpack(state["scheduler"]))
-    if dataloader is not None:
-        dataloader.load_state_dict(_unpack(state["dataloader"]))
-    return _unpack(state["extra"])
+    for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
+        if obj is not None:
+            obj.load_state_dict(decode(state[key], weights_only=weights_only, what=f"{path}: {key} state"))
+    return decode(state[extra_key], weights_only=weights_only, what=f"{path}: extra")
+
+
+def _extra_key(saved: dict[str, Any], path: str) -> str:
+    """The entry holding this rank's ``extra`` (see [Note: per-rank extra])."""
+    own = f"extra/rank-{env.rank()}"
+    if own in saved or "extra" in saved:
+        return own if own in saved else "extra"  # "extra": format 1, one value for every rank
+    if "extra/rank-0" not in saved:
+        raise ValueError(
+            f"{path}: holds no 'extra' entry, so torchacc.save_checkpoint did not write it; load a DCP checkpoint "
+            "of your own with torch.distributed.checkpoint.load, or FSDP2Strategy.load_checkpoint"
+        )
+    warn_once(
+        f"{path} was saved by fewer ranks than this job has: the ranks it did not have get rank 0's extra "
+        "(RNG states, counters); re-seed them if they must differ"
+    )
+    return "extra/rank-0"
 
 
 def _require(saved: dict[str, Any], key: str, path: str, what: str) -> None:

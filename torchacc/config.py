@@ -15,6 +15,7 @@ docstrings back for the generated docs. Type checking, merging and the dict/YAML
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import textwrap
 import typing
@@ -97,9 +98,10 @@ class FSDPConfig(Node):
     digest of each tensor, and only the tensors that differ from rank 0's are broadcast (nothing when all ranks
     built the same model); plain DP leaves it to DDP, which broadcasts them all."""
     init_from: str | None = None
-    """For a model built with ``torchacc.init_empty_weights()``: a consolidated ``.pth`` file or a Hugging Face
-    directory (safetensors) to fill the shards from; each rank reads only its slices. None uses the model's own
-    init (``reset_parameters``, or HF ``init_weights``)."""
+    """A consolidated ``.pth`` file or a Hugging Face directory (safetensors) to load the weights from, after
+    sharding: each rank reads only its slices (where only rank 0 can read it, rank 0 sends each tensor). Fills a
+    model built with ``torchacc.init_empty_weights()``, and replaces the weights of a model built normally.
+    None: a meta-device model gets its own init (``reset_parameters``, or the Hugging Face init)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,6 +196,11 @@ class Config(Node):
             raise ValueError(
                 f"dist.topology must be a permutation of ['dp', 'fsdp'], got {d.topology!r}; "
                 "use ['dp', 'fsdp'] (fsdp innermost, the default) or ['fsdp', 'dp']"
+            )
+        if not math.isfinite(d.timeout):
+            raise ValueError(
+                f"dist.timeout must be a finite number of seconds, got {d.timeout}; a collective that never times "
+                "out hangs the job when a rank dies: use e.g. 1800.0 (the default)"
             )
         if d.timeout <= 0:
             raise ValueError(f"dist.timeout must be > 0 seconds, got {d.timeout}; the default is 1800.0")

@@ -4,12 +4,17 @@
 device mesh; ``shard_model`` applies activation checkpointing, compilation, sharding (or DDP),
 meta-device materialization and mixed precision, in that order; ``remap_optimizer`` moves an
 optimizer built too early onto the sharded parameters.
+
+[Note: shard before moving] Under FSDP the model is not moved to the device as a whole: a 70B model
+would not fit on one GPU, and CPU offload would be defeated. ``fully_shard`` moves each unit's
+parameters to the mesh's device as it shards it (bottom-up, one unit at a time), as TorchTitan relies on.
 """
 
+import hashlib
+import json
 import uuid
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
@@ -17,20 +22,30 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.tensor import DTensor
 
+from ._config_io import fmt
 from ._logging import warn_once
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config
-from .dist.collectives import broadcast, sync_tensors
-from .dist.fsdp import is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
+from .dist import env
+from .dist.collectives import all_gather_object, broadcast, sync_tensors
+from .dist.fsdp import check_units, is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
 from .dist.mesh import build_mesh
-from .materialize import check_materializable, has_meta_params, materialize
-from .precision import compute_dtype, install_autocast
+from .materialize import check_materializable, has_meta_params, load_weights, materialize
+from .optim_state import attach_load_hook, shard_like, watch_optimizers
+from .precision import compute_dtype, install_precision
 from .sharded_state import get_shard_metadata, load_state_dict
 
-__all__ = ["AcceleratedState", "ModelPlan", "plan_model", "make_mesh", "shard_model", "remap_optimizer"]
+__all__ = [
+    "AcceleratedState",
+    "ModelPlan",
+    "plan_model",
+    "agree_on_config",
+    "make_mesh",
+    "shard_model",
+    "remap_optimizer",
+]
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], nn.Module | None]
 
@@ -53,7 +68,6 @@ class ModelPlan:
 
     wrap_classes: frozenset[type[nn.Module]]
     gc_classes: frozenset[type[nn.Module]]
-    param_names: dict[nn.Parameter, str] = field(hash=False)
     meta: bool
 
 
@@ -80,6 +94,8 @@ def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optim
     if config.memory.gc:
         what = "memory.gc_cls" if config.memory.gc_cls else "dist.fsdp.wrap_layer_cls"
         gc = resolve_module_classes(model, config.memory.gc_cls or config.dist.fsdp.wrap_layer_cls, what=what)
+    if config.dist.fsdp.size > 1:
+        check_units(model, wrap)
     if config.compute.compile and not wrap:
         raise ValueError("compute.compile=True compiles each dist.fsdp.wrap_layer_cls block; set wrap_layer_cls too")
     names = {param: name for name, param in model.named_parameters()}
@@ -92,7 +108,69 @@ def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optim
                 f"optimizer holds {len(foreign)} parameter(s) that are not parameters of {type(model).__name__} "
                 f"(first has shape {tuple(foreign[0].shape)}); build the optimizer from model.parameters()"
             )
-    return ModelPlan(frozenset(wrap), frozenset(gc), names, meta)
+    return ModelPlan(frozenset(wrap), frozenset(gc), meta)
+
+
+def agree_on_config(config: Config, error: Exception | None) -> None:
+    """Meet every rank once, before any other collective, and raise the same error everywhere when the ranks
+    disagree on the config or one of them found it invalid.
+
+    Ranks with different configs would build different meshes or units and die in a collective (a gloo
+    abort, or a hang); a config error on one rank only would leave the others waiting. Every rank must call
+    it, after ``env.init_distributed``; it does nothing in a world of one.
+
+    Args:
+        config: this rank's config.
+        error: the error this rank's validation raised, or None.
+
+    Raises:
+        ValueError: naming the fields that differ (with each rank's value), or another rank's error.
+    """
+    if not env.is_distributed():
+        return
+    flat = _flatten(config.to_dict())
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+    reports = all_gather_object((digest, None if error is None else f"{type(error).__name__}: {error}"))
+    if len({d for d, _ in reports}) > 1:
+        configs = all_gather_object(flat)
+        differing = sorted(k for k in set().union(*configs) if len({repr(c.get(k)) for c in configs}) > 1)
+        details = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r}={fmt(c.get(key))}" for r, c in enumerate(configs)) for key in differing
+        )
+        raise ValueError(
+            f"the ranks were given different configs ({details}); every rank must build the same torchacc.Config: "
+            "set these fields outside any rank-dependent branch"
+        )
+    failed = [(rank, message) for rank, (_, message) in enumerate(reports) if message]
+    if failed and error is None:
+        rank, message = failed[0]
+        raise ValueError(f"rank {rank} stopped at its checks before any collective: {message}")
+
+
+def report_config_error(config: Config, error: Exception) -> None:
+    """Share an error this rank's checks raised (config, model, loader) with the others before raising it.
+
+    With a config that differs between ranks, the other ranks may not have failed and would wait for this
+    one. Call it only in a job of several ranks; it returns when there is no process group to share through.
+
+    Raises:
+        ValueError: the ranks' configs differ (naming the fields).
+    """
+    try:
+        env.init_distributed()
+    except (ValueError, RuntimeError):
+        return  # the launch itself is broken: the caller reports its own error
+    agree_on_config(config, error)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def make_mesh(config: Config, *, world_size: int, device: torch.device) -> DeviceMesh | None:
@@ -159,8 +237,7 @@ def shard_model(
     dtype = compute_dtype(bf16=config.compute.bf16, fp16=config.compute.fp16, device=device)
     if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
         dtype = mp_policy.param_dtype
-    if not plan.meta:
-        model.to(device)
+    init_from = config.dist.fsdp.init_from
     offload = None
     if config.memory.offload_params:
         if device.type == "cuda" and mesh is not None:
@@ -169,11 +246,18 @@ def shard_model(
             warn_once("memory.offload_params=True needs FSDP (dist.fsdp.size > 1); it is ignored without sharding")
         else:
             warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
+    autocast_dtype = dtype
     if mesh is not None:
-        if config.dist.fsdp.sync_module_states and not plan.meta:
+        if config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
             sync_tensors([*model.parameters(), *model.buffers()])
         reduce_dtype = getattr(torch, config.dist.fsdp.reduce_dtype)
         mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+        if mp_policy.param_dtype is not None:
+            autocast_dtype = None  # the policy casts: see [Note: one precision mechanism] in precision.py
+        # See [Note: shard before moving]: no model.to(device) here. The tags name the parameters that
+        # sharding replaces: an optimizer still holding one fails at its first step instead of training nothing.
+        for name, param in model.named_parameters():
+            param._torchacc_replaced = name
         if parallelize_fn is not None:
             model = parallelize_fn(model, mesh, mp_policy) or model
         else:
@@ -187,16 +271,18 @@ def shard_model(
                 forward_prefetch=config.dist.fsdp.forward_prefetch,
                 backward_prefetch=config.dist.fsdp.backward_prefetch,
             )
-        if plan.meta:
-            materialize(model, device=device, buffers=buffers, init_from=config.dist.fsdp.init_from)
-        _mark_replaced(plan)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        for name, param in model.named_parameters():
+            param._torchacc_name = name  # names the parameter in optimizer-state errors
+        watch_optimizers()
     else:
-        if plan.meta:
-            materialize(model, device=device, buffers=buffers, init_from=config.dist.fsdp.init_from)
+        if not plan.meta:
+            model.to(device)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
         if world_size > 1:
-            wrap_ddp(model, sync_module_states=config.dist.fsdp.sync_module_states)
+            wrap_ddp(model, sync_module_states=config.dist.fsdp.sync_module_states and init_from is None)
     if dtype is not None:
-        install_autocast(model, device_type=device.type, dtype=dtype)
+        install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
     if not hasattr(type(model), "device"):
         model.device = device
     # Checkpoint helpers on the instance: TorchAcc scripts call model.get_shard_metadata(), and
@@ -209,51 +295,31 @@ def shard_model(
     return model
 
 
-_checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_hook_installed = False
+def _fill(
+    model: nn.Module, plan: ModelPlan, *, device: torch.device, buffers: dict[str, torch.Tensor], init_from: str | None
+) -> None:
+    """Give a meta-device model its values (own init or ``init_from``); load ``init_from`` into a real one."""
+    if plan.meta:
+        materialize(model, device=device, buffers=buffers, init_from=init_from)
+    elif init_from is not None:
+        load_weights(model, init_from)
 
 
-def _mark_replaced(plan: ModelPlan) -> None:
-    """Tag the pre-shard parameters, so an optimizer built on them fails at its first step, not silently."""
-    global _hook_installed
-    for param, name in plan.param_names.items():
-        param._torchacc_replaced = name
-    if not _hook_installed:
-        register_optimizer_step_pre_hook(_refuse_stale_optimizer)
-        _hook_installed = True
-
-
-def _refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # Under FSDP2 an optimizer built before sharding updates parameters the model no longer uses:
-    # the loss never moves and nothing says why (a known PyTorch trap). Checked once per optimizer.
-    if optimizer in _checked_optimizers:
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            name = getattr(param, "_torchacc_replaced", None)
-            if name is not None:
-                raise RuntimeError(
-                    f"this optimizer holds parameters that torchacc.accelerate() replaced by sharded ones (first: "
-                    f"{name!r}), so it would train nothing; build the optimizer after accelerate() from "
-                    "model.parameters(), or pass it in: accelerate(model, loader, config, optimizer=optimizer)"
-                )
-    _checked_optimizers.add(optimizer)
-
-
-def remap_optimizer(optimizer: torch.optim.Optimizer, plan: ModelPlan, model: nn.Module) -> None:
+def remap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Point ``optimizer`` at the sharded parameters, sharding any state it already has like them."""
     new_params = dict(model.named_parameters())
-    remap = {old: new_params[name] for old, name in plan.param_names.items()}
+
+    def remap(param: nn.Parameter) -> nn.Parameter:
+        name = getattr(param, "_torchacc_replaced", None)
+        return param if name is None else new_params[name]
+
     for group in optimizer.param_groups:
-        group["params"] = [remap[p] for p in group["params"]]
+        group["params"] = [remap(p) for p in group["params"]]
     for old, state in list(optimizer.state.items()):
-        new = remap[old]
-        if isinstance(new, DTensor):
-            state = {
-                key: distribute_tensor(value.to(new.device), new.device_mesh, new.placements, src_data_rank=None)
-                if isinstance(value, torch.Tensor) and value.shape == new.shape and value.dim() > 0
-                else value
-                for key, value in state.items()
-            }
+        new = remap(old)
         del optimizer.state[old]
-        optimizer.state[new] = state
+        optimizer.state[new] = {
+            key: shard_like(new, getattr(new, "_torchacc_name", "?"), key, v) for key, v in state.items()
+        }
+    if any(isinstance(p, DTensor) for p in new_params.values()):
+        attach_load_hook(optimizer)

@@ -105,6 +105,32 @@ def _groups(layout: Layout, limit: int) -> Iterator[list[str]]:
     yield group
 
 
+_INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(directory: str) -> set[str]:
+    """The safetensors files of an export in ``directory``: model.safetensors and those its index names."""
+    names = {"model.safetensors"} if os.path.isfile(os.path.join(directory, "model.safetensors")) else set()
+    try:
+        with open(os.path.join(directory, _INDEX)) as f:
+            names |= {n for n in json.load(f)["weight_map"].values() if os.path.basename(n) == n}
+        names.add(_INDEX)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return {n for n in names if os.path.isfile(os.path.join(directory, n))}
+
+
+def _replace_own_files(staging: str, output_dir: str) -> None:
+    """Move the finished export's files into ``output_dir`` one by one, then drop the previous export's weight
+    files that the new one did not replace (from_pretrained would prefer a stale model.safetensors)."""
+    stale = _weight_files(output_dir)
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        stale.discard(name)
+    for name in stale:
+        os.remove(os.path.join(output_dir, name))
+
+
 def export_hf(
     src: Any,
     output_dir: str | os.PathLike[str],
@@ -120,13 +146,17 @@ def export_hf(
     Args:
         src: a directory of rank shard files (``pattern``), a consolidated ``.pth`` file, a checkpoint
             directory written by ``save_checkpoint``, or a state dict.
-        output_dir: a new (or empty) directory; it appears only when complete.
+        output_dir: a new (or empty) directory; it appears only when complete. With ``overwrite`` it may
+            hold other files (a tokenizer, logs, checkpoints): only the export's own files are replaced
+            (``config.json``, the safetensors files and their index), and weight files of an earlier export
+            that the new one does not rewrite are removed; nothing else is touched.
         config_or_model: a ``transformers`` config, a model (its ``.config`` is used) or a path to a
             config file or directory.
         max_shard_size: bytes, or a string such as ``"5GB"``; larger exports are split with an index file.
         pattern: the shard file glob inside a ``src`` directory.
         verify: check shard checksums first.
-        overwrite: replace an existing ``output_dir`` (only once the new one is complete).
+        overwrite: write into an existing, non-empty ``output_dir`` (its files are replaced only once the
+            new ones are complete).
 
     Returns:
         ``output_dir``.
@@ -168,13 +198,10 @@ def export_hf(
                 "metadata": {"total_size": total},
                 "weight_map": {k: n for n, ks in zip(names, groups, strict=True) for k in ks},
             }
-            with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+            with open(os.path.join(staging, _INDEX), "w") as f:
                 json.dump(index, f, indent=2)
-        if os.path.isdir(output_dir):
-            old = f"{staging}.old"
-            os.replace(output_dir, old)
-            os.replace(staging, output_dir)
-            shutil.rmtree(old)
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            _replace_own_files(staging, output_dir)
         else:
             os.replace(staging, output_dir)
     finally:

@@ -6,6 +6,14 @@ non-persistent ones (rotary ``inv_freq``, causal masks) cannot be restored from 
 keeping their real values avoids the NaNs other libraries hit on non-zero ranks. After
 ``fully_shard``, ``materialize`` allocates only this rank's shards (``to_empty``), puts the buffers
 back, and fills the shards from the model's own init or from a checkpoint, slice by slice.
+
+[Note: meta init RNG] Running the model's own init on shards must give the values a single process
+would draw for the whole model. DTensor keeps one random stream per shard only on CUDA-like devices;
+elsewhere every rank draws the same numbers into its shard, so shards copy each other. While the init
+runs, ``_FullTensorRandom`` turns each random fill of a sharded tensor (``normal_``, ``uniform_``, ...,
+and so every ``nn.init`` function) into a fill of the full tensor from the same generator, of which the
+rank keeps its slice: the result does not depend on the world size or the device, for the cost of
+one full parameter at a time.
 """
 
 import contextlib
@@ -18,11 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._tied import retie, tied_names
 from .dist import env
+from .dist.collectives import raise_on_any_rank
 from .sharded_state import local_slice
 
-__all__ = ["init_empty_weights", "has_meta_params", "check_materializable", "materialize"]
+__all__ = ["init_empty_weights", "has_meta_params", "check_materializable", "materialize", "load_weights"]
 
 
 @contextlib.contextmanager
@@ -55,8 +66,31 @@ def has_meta_params(model: nn.Module) -> bool:
 
 
 def _hf_init(model: nn.Module) -> Callable[[], None] | None:
-    init = getattr(model, "init_weights", None)
-    return init if callable(init) and hasattr(model, "_init_weights") else None
+    """A Hugging Face model's own init, run module by module as ``PreTrainedModel.initialize_weights`` does."""
+    if not (callable(getattr(model, "init_weights", None)) and callable(getattr(model, "_init_weights", None))):
+        return None
+
+    def visit(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
+        for child in module.children():  # children first; a nested HF model brings its own _init_weights
+            own = getattr(child, "_init_weights", None)
+            visit(child, own if callable(own) and hasattr(child, "init_weights") else init)
+        init(module)
+        for param in module.parameters(recurse=False):
+            if id(param) in tied:
+                # The first owner of a tied weight initializes it; later ones (lm_head) keep it, as HF does.
+                param._is_hf_initialized = True
+
+    tied = {id(model.get_parameter(owner)) for owner in tied_names(model).values()}
+
+    def initialize() -> None:
+        # Not init_weights(): it skips modules it takes for remote code, and it takes the FSDP-wrapped class
+        # (fully_shard swaps the class) for remote code, so the result would depend on the world size.
+        visit(model, model._init_weights)
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()
+
+    return initialize
 
 
 def check_materializable(model: nn.Module, init_from: str | None) -> None:
@@ -73,9 +107,7 @@ def check_materializable(model: nn.Module, init_from: str | None) -> None:
             "can restore; build the model under torchacc.init_empty_weights(), which keeps buffers real"
         )
     if init_from is not None:
-        if not os.path.exists(init_from):
-            raise ValueError(f"dist.fsdp.init_from={init_from!r} does not exist; give a .pth file or an HF directory")
-        return
+        return  # whether the ranks can read it is checked when it is loaded (see load_weights)
     if _hf_init(model) is not None:
         return
     bare = [
@@ -133,8 +165,7 @@ def _open_source(path: str) -> tuple[set[str], Callable[[str, tuple[slice, ...]]
 
 def _source_keys(model: nn.Module, keys: set[str]) -> tuple[dict[str, str], list[str]]:
     """Each state_dict key -> the key to read it from (a tied weight may be stored once), and the missing keys."""
-    first: dict[int, str] = {}
-    aliases = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    aliases = tied_names(model)
     sources, missing = {}, []
     for key in model.state_dict():
         source = key if key in keys else aliases.get(key, key)
@@ -164,14 +195,15 @@ def _broadcast_from_rank0(model: nn.Module, path: str) -> None:
     """Rank 0 reads each tensor and sends it, one at a time; every rank keeps its slice (no one holds a dict)."""
     read = None
     sources: dict[str, str] = {}
-    missing: list[str] = []
+    error = None
     if env.rank() == 0:
-        keys, read = _open_source(path)
-        sources, missing = _source_keys(model, keys)
-    box: list[Any] = [missing]
-    dist.broadcast_object_list(box, src=0)  # every rank raises together rather than waiting on rank 0
-    if box[0]:
-        raise _missing_error(path, box[0])
+        try:
+            keys, read = _open_source(path)
+            sources, missing = _source_keys(model, keys)
+            error = str(_missing_error(path, missing)) if missing else None
+        except Exception as exc:  # shared below, so that no rank waits for a rank 0 that gave up
+            error = f"dist.fsdp.init_from={path!r} cannot be read on rank 0: {type(exc).__name__}: {exc}"
+    raise_on_any_rank(error, what="loading dist.fsdp.init_from", error_type=ValueError)
     for key, target in model.state_dict().items():
         full = torch.empty(target.shape, dtype=target.dtype, device=env.device())
         if read is not None:
@@ -190,34 +222,87 @@ def materialize(
         model: a model, usually already sharded, with meta parameters.
         device: where to allocate.
         buffers: the real buffer values taken before (restored after ``to_empty``).
-        init_from: a consolidated ``.pth`` or an HF safetensors directory; None runs the model's own init.
+        init_from: a consolidated ``.pth`` or an HF safetensors directory; None runs the model's own init
+            (see [Note: meta init RNG]).
     """
+    aliases = tied_names(model)
     model.to_empty(device=device)
+    retie(model, aliases)  # to_empty gives each name of a tied meta parameter a parameter of its own
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-        if init_from is None:
-            hf_init = _hf_init(model)
-            if hf_init is not None:
-                # HF marks modules initialized when post_init() ran on meta tensors (a no-op); unmark them so
-                # init_weights() really initializes the materialized shards.
-                for obj in [*model.modules(), *model.parameters()]:
-                    if getattr(obj, "_is_hf_initialized", False):
-                        obj._is_hf_initialized = False
-                hf_init()
-            else:
-                for module in model.modules():
-                    if any(True for _ in module.parameters(recurse=False)) and hasattr(module, "reset_parameters"):
-                        module.reset_parameters()
-        elif env.is_distributed() and not all(_everyone_sees(init_from)):
-            _broadcast_from_rank0(model, init_from)
+    if init_from is not None:
+        load_weights(model, init_from)
+        return
+    with torch.no_grad(), _FullTensorRandom():
+        hf_init = _hf_init(model)
+        if hf_init is not None:
+            # HF marks modules initialized when post_init() ran on meta tensors (a no-op); unmark them so
+            # init_weights() really initializes the materialized shards.
+            for obj in [*model.modules(), *model.parameters()]:
+                if getattr(obj, "_is_hf_initialized", False):
+                    obj._is_hf_initialized = False
+            hf_init()
         else:
-            _load_slices(model, init_from)
+            for module in model.modules():
+                if any(True for _ in module.parameters(recurse=False)) and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Fill ``model``'s (possibly sharded) tensors from the checkpoint ``path``. Every rank must call it.
+
+    Each rank reads only its own slices where it can read ``path``; where only rank 0 can (a node-local
+    disk), rank 0 reads each tensor and sends it, one at a time.
+
+    Raises:
+        ValueError: on every rank: rank 0 cannot read ``path``, or the checkpoint lacks a tensor of the model.
+    """
+    if not env.is_distributed() and not os.path.exists(path):
+        raise ValueError(f"dist.fsdp.init_from={path!r} does not exist; give a .pth file or an HF directory")
+    with torch.no_grad():
+        if not env.is_distributed() or all(_everyone_sees(path)):
+            _load_slices(model, path)
+        else:
+            _broadcast_from_rank0(model, path)
 
 
 def _everyone_sees(path: str) -> list[bool]:
     flags: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(flags, os.path.exists(path))
     if not flags[0]:
-        raise ValueError(f"dist.fsdp.init_from={path!r} is not readable on rank 0; put it where rank 0 can read it")
+        raise ValueError(
+            f"dist.fsdp.init_from={path!r} does not exist on rank 0; put it where rank 0 can read it (the other "
+            "ranks may lack it: rank 0 then sends each tensor)"
+        )
     return flags
+
+
+_RANDOM_FILLS = frozenset(
+    op.overloadpacket
+    for op in (
+        torch.ops.aten.normal_.default,
+        torch.ops.aten.uniform_.default,
+        torch.ops.aten.bernoulli_.float,
+        torch.ops.aten.random_.default,
+        torch.ops.aten.exponential_.default,
+        torch.ops.aten.log_normal_.default,
+        torch.ops.aten.cauchy_.default,
+        torch.ops.aten.geometric_.default,
+    )
+)
+
+
+class _FullTensorRandom(TorchDispatchMode):
+    """Fill sharded tensors as if they were whole: see [Note: meta init RNG]."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func.overloadpacket in _RANDOM_FILLS and isinstance(target, DTensor):
+            local = target.to_local()
+            full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+            func(full, *args[1:], **kwargs)  # the same generator and arguments, on the whole tensor
+            local.copy_(full[_slices(target)])
+            return target
+        return func(*args, **kwargs)

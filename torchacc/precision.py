@@ -1,16 +1,19 @@
-"""Mixed precision: which mechanism casts what, and the fp16 gradient scaler.
+"""Mixed precision: one mechanism casts, the fp16 gradient scaler.
 
-[Note: one mechanism per layer] With ``compute.bf16`` or ``compute.fp16``:
+[Note: one precision mechanism] With ``compute.bf16`` or ``compute.fp16`` exactly one mechanism
+lowers the precision of the forward and backward (TorchTitan's rule):
 
-* FSDP runs use ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=float32)``: parameters are
-  stored and updated in float32, all-gathered in the low dtype, and gradients are reduced in
-  float32.
-* Every run (FSDP, DP or one process) also gets ``torch.autocast(<low>)`` around the model's
-  forward, so ops that need float32 (softmax, norms, losses) get it, and the user's loop needs no
-  autocast of its own. Floating outputs are returned in float32.
+* FSDP and HSDP runs use FSDP2's ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=...)``: each
+  unit's parameters are all-gathered in the low dtype and the whole unit computes in it; the sharded
+  float32 parameters are what the optimizer updates. No autocast runs on top of it.
+* Runs without a mesh (plain DP, one process) have nothing that casts parameters, so the forward runs
+  under ``torch.autocast(<low>)``: matmuls in the low dtype, the ops autocast keeps in float32
+  (softmax, norms, losses) in float32.
 
-Both layers are on by design: the policy saves communication and memory, autocast keeps the
-numerically sensitive ops in float32.
+The two agree within bf16 rounding, so ``dist.fsdp.size`` 1 and 2 train alike. In both, scalar
+floating outputs (the loss) are returned in float32; larger outputs (logits) stay in the compute dtype,
+since a float32 copy of the logits costs twice their memory: call ``.float()`` on them before a loss
+computed outside the model.
 """
 
 import functools
@@ -18,12 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ._logging import warn_once
+from ._tree import map_tensors
 
-__all__ = ["compute_dtype", "install_autocast", "GradScaler"]
+__all__ = ["compute_dtype", "install_precision", "GradScaler"]
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -44,63 +47,55 @@ def compute_dtype(*, bf16: bool, fp16: bool, device: torch.device) -> torch.dtyp
     return torch.float16 if fp16 else None
 
 
-def _to_float32(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.float() if output.dtype in _LOW_DTYPES else output
-    if isinstance(output, dict):
-        # In place, so dict subclasses such as HF ModelOutput keep their type and attributes.
-        for key, value in output.items():
-            output[key] = _to_float32(value)
-        return output
-    if isinstance(output, tuple) and hasattr(output, "_fields"):
-        return type(output)(*(_to_float32(v) for v in output))
-    if isinstance(output, (list, tuple)):
-        return type(output)(_to_float32(v) for v in output)
-    return output
+def _scalars_to_float32(output: Any) -> Any:
+    return map_tensors(lambda t: t.float() if t.dtype in _LOW_DTYPES and t.dim() == 0 else t, output)
 
 
-class _AutocastForward:
-    """A module's forward run under autocast, with floating outputs returned in float32."""
+class _PrecisionForward:
+    """A module's forward, under autocast when given a dtype, with scalar floating outputs in float32."""
 
-    def __init__(self, forward: Callable[..., Any], device_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, forward: Callable[..., Any], device_type: str, autocast_dtype: torch.dtype | None) -> None:
         self.forward = forward
         self.device_type = device_type
-        self.dtype = dtype
+        self.autocast_dtype = autocast_dtype
         functools.update_wrapper(self, forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+        if self.autocast_dtype is None:
+            return _scalars_to_float32(self.forward(*args, **kwargs))
+        with torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype):
             output = self.forward(*args, **kwargs)
-        return _to_float32(output)
+        return _scalars_to_float32(output)
 
 
-def install_autocast(model: nn.Module, *, device_type: str, dtype: torch.dtype) -> nn.Module:
-    """Run ``model``'s forward under ``torch.autocast(dtype)`` and return float32 outputs.
+def install_precision(model: nn.Module, *, device_type: str, autocast_dtype: torch.dtype | None) -> nn.Module:
+    """Return scalar outputs in float32 and, with ``autocast_dtype``, run the forward under autocast.
 
-    The forward is replaced on the instance, so ``model(...)`` keeps firing its hooks (FSDP's
-    all-gathers among them) and its parameter names do not change.
+    See [Note: one precision mechanism]: pass ``autocast_dtype`` only when nothing else (no FSDP
+    ``MixedPrecisionPolicy``) casts the parameters. The forward is replaced on the instance, so
+    ``model(...)`` keeps firing its hooks (FSDP's all-gathers among them) and no name changes.
 
     Args:
         model: the model.
         device_type: ``"cuda"`` or ``"cpu"``.
-        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        autocast_dtype: ``torch.bfloat16`` or ``torch.float16``, or None for no autocast.
 
     Returns:
         ``model`` itself.
     """
-    model.forward = _AutocastForward(model.forward, device_type, dtype)
+    model.forward = _PrecisionForward(model.forward, device_type, autocast_dtype)
     return model
 
 
 class GradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` for sharded and replicated gradients.
+    """``torch.amp.GradScaler`` whose device defaults to this process's device type.
 
-    Each rank sees only its shard of the gradients, so an overflow may show on one rank only. This
-    scaler combines the overflow flags of all ranks before the step, so every rank skips the same
-    steps and changes the scale the same way. Use it exactly like ``torch.amp.GradScaler``.
+    Sharded gradients need nothing more: DTensor combines the overflow flags of all ranks (a max over
+    the mesh) when the scaler unscales them, and DDP's all-reduce spreads an inf to every rank, so every
+    rank skips the same steps and keeps the same scale. Use it exactly like ``torch.amp.GradScaler``.
 
     Args:
-        device: where the gradients are; defaults to this process's device.
+        device: where the gradients are; defaults to ``"cuda"`` when CUDA is present, else ``"cpu"``.
         **kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``.
 
     Example:
@@ -112,20 +107,3 @@ class GradScaler(torch.amp.GradScaler):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(torch.device(device).type, **kwargs)
-
-    def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return per_device
-        # Exactly one all-reduce per rank, even on a rank whose optimizer has no gradient at all.
-        any_inf = found_inf.new_zeros(())
-        for flag in per_device.values():
-            any_inf += flag.to(any_inf.device)
-        dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
-        if not per_device:
-            per_device[found_inf.device] = found_inf
-        for flag in per_device.values():
-            flag.copy_(any_inf.clamp(max=1.0))
-        return per_device

@@ -2,7 +2,10 @@
 
 [Note: atomic files] A file is written under a temporary name beside its target, flushed to disk,
 then renamed over the target, so a crash (or SIGKILL) mid-save never leaves a half-written file
-under the final name; temporaries left by a killed save are removed by the next save to that path.
+under the final name. The temporary name holds the host, the process id and a random part, so writers
+of one path on several nodes of a shared file system never touch each other's files: each renames its
+own complete file, and the last rename wins. A save removes only temporaries that a dead process of its
+own host left behind.
 
 [Note: checksums] ``torch.save`` writes a zip archive that records a CRC-32 of every member, so a
 truncated or bit-flipped file is detected by ``verify_file`` without any sidecar file.
@@ -13,6 +16,9 @@ import errno
 import glob
 import os
 import pickle
+import re
+import secrets
+import socket
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -21,11 +27,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._file_ranges import corrupt_member_message, file_crc32
+from ._safe_load import refusal
+from ._tree import map_tensors
 from ._zip import record_table
 from .dist import env
-from .dist.collectives import raise_on_any_rank
+from .dist.collectives import all_gather_object, raise_on_any_rank
 
 __all__ = ["save", "load", "verify_file", "atomic_write", "atomic_write_text", "publish", "temp_path", "fsync_dir"]
+__all__ += ["remove_stale_temps"]
 __all__ += ["describe_os_error"]
 
 
@@ -39,13 +48,16 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
     failed to write, every rank raises.
 
     Args:
-        obj: a tensor or a nested dict/list/tuple holding tensors and plain values.
+        obj: a tensor or a nest of dicts (``defaultdict`` too), lists, tuples and dataclasses holding tensors
+            and plain values, e.g. ``optimizer.state_dict()``.
         path: the file to write, atomically (see [Note: atomic files]).
         master_only: only the master writes (see ``global_master``); False: every rank writes.
         global_master: with ``master_only``, only global rank 0 writes (True) or the first rank of
             every node (False, TorchAcc's default, for node-local disks).
 
     Raises:
+        ValueError: with ``master_only=False``, several ranks were given the same ``path`` (one rank's data
+            would be lost); nothing is written.
         RuntimeError: some rank could not write (a missing or read-only directory, a full disk); the
             message names the rank, the path and how to fix it. ``path`` keeps its previous content.
 
@@ -53,28 +65,60 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
         >>> torchacc.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()},
         ...               f"ckpt/rank-{rank}-of-{world}-model.pth", master_only=False)
     """
+    path = os.fspath(path)
+    what = f"torchacc.save({path!r})"
+    if not master_only:
+        _refuse_shared_path(path, what)
     writes = not master_only or env.is_master_ordinal(local=not global_master)
-    data = _to_cpu(obj, gather=master_only, keep=writes)
+
+    def to_cpu(tensor: torch.Tensor) -> torch.Tensor | None:
+        # With writes=False only the gathers run (ranks that do not write still take part in them).
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor() if master_only else tensor.to_local()
+        return tensor.detach().cpu() if writes else None
+
+    # A defaultdict (optimizer.state) is written as a dict: weights_only loading cannot rebuild one.
+    data = map_tensors(to_cpu, obj, defaultdict_as_dict=True)
     error = None
     if writes:
         try:
             atomic_write(path, lambda tmp: torch.save(data, tmp))
         except Exception as exc:  # reported to every rank below instead of hanging them
             error = describe_os_error(exc, path)
-    raise_on_any_rank(error, what=f"torchacc.save({os.fspath(path)!r})")
+    raise_on_any_rank(error, what=what)
 
 
-def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = False) -> Any:
+def _refuse_shared_path(path: str, what: str) -> None:
+    """Raise on every rank when two ranks would write the same file (the last rename would win silently)."""
+    paths = all_gather_object(
+        os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    )
+    seen: dict[str, int] = {}
+    for rank, target in enumerate(paths):
+        if target in seen:
+            raise ValueError(
+                f"{what} failed: ranks {seen[target]} and {rank} would both write {target!r} (master_only=False), "
+                "and one rank's data would be lost; give each rank its own file, e.g. "
+                "f'ckpt/rank-{torchacc.dist.rank()}-of-{torchacc.dist.world_size()}.pth'"
+            )
+        seen[target] = rank
+
+
+def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = False, weights_only: bool = True) -> Any:
     """Load a file written by ``torchacc.save`` (or ``torch.save``) onto the CPU.
 
     Args:
         path: the file.
         mmap: map tensors from the file instead of reading them (for files larger than RAM).
         verify: check every member's CRC-32 first (reads the whole file once more).
+        weights_only: build only tensors, containers, numbers and strings, so that loading cannot run code
+            from the file (torch's ``weights_only=True``). Pass False only for a file you trust that holds
+            other objects.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is truncated, corrupt, or not a torch checkpoint; the message names it.
+        ValueError: the file is truncated, corrupt, or not a torch checkpoint; or, with ``weights_only``, it
+            holds other objects (the message names the opt-in). The message names the file.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -82,9 +126,17 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = Fal
     if verify:
         verify_file(path)
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
-        raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {exc}") from None
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+    except Exception as exc:  # the unpickler raises anything from KeyError to EOFError on a damaged file
+        if weights_only and isinstance(exc, pickle.UnpicklingError) and "GLOBAL" in str(exc):
+            raise refusal(path, _unsupported_global(exc)) from None
+        detail = " ".join(str(exc).split())[:300]
+        raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {detail}") from None
+
+
+def _unsupported_global(exc: BaseException) -> str:
+    found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", str(exc))
+    return found.group(1) if found else str(exc).splitlines()[0]
 
 
 def verify_file(path: str | os.PathLike[str], *, members: Callable[[str], bool] | None = None) -> None:
@@ -141,8 +193,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None], *, 
         Whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
     """
     path = os.fspath(path)
-    for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):
-        _remove_quietly(stale)
+    remove_stale_temps(path)
     tmp = temp_path(path)
     try:
         write(tmp)
@@ -162,9 +213,32 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write(path, write)
 
 
+_HOST = re.sub(r"[^\w.]", "_", socket.gethostname()) or "host"
+_TEMP = re.compile(r"\.tmp-(\d+)@(.+)-[0-9a-f]{8}$")
+
+
 def temp_path(path: str | os.PathLike[str]) -> str:
-    """The temporary name ``atomic_write`` uses for ``path`` in this process."""
-    return f"{os.fspath(path)}.tmp-{os.getpid()}"
+    """A new temporary name beside ``path``, unique to this host, process and call (see [Note: atomic files])."""
+    return f"{os.fspath(path)}.tmp-{os.getpid()}@{_HOST}-{secrets.token_hex(4)}"
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> None:
+    """Remove the temporaries of ``path`` that processes of this host left when they died; never another host's."""
+    path = os.fspath(path)
+    for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):
+        found = _TEMP.search(stale[len(path) :])
+        if found and found.group(2) == _HOST and not _alive(int(found.group(1))):
+            _remove_quietly(stale)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a live process of another user
+        return True
+    return True
 
 
 def publish(tmp: str, path: str | os.PathLike[str], *, sync: bool = True) -> None:
@@ -212,19 +286,3 @@ def describe_os_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
 def _remove_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-
-
-def _to_cpu(obj: Any, *, gather: bool, keep: bool) -> Any:
-    """Tensors to CPU; DTensors gathered (``gather``) or as local shards. With ``keep=False`` only the
-    collectives run and nothing is kept (ranks that do not write still take part in the gathers)."""
-    if isinstance(obj, DTensor):
-        tensor = obj.full_tensor() if gather else obj.to_local()
-        return tensor.detach().cpu() if keep else None
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu() if keep else None
-    if isinstance(obj, dict):
-        items = {k: _to_cpu(v, gather=gather, keep=keep) for k, v in obj.items()}
-        return type(obj)(items) if keep and type(obj) is not dict else items
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_cpu(v, gather=gather, keep=keep) for v in obj)
-    return obj

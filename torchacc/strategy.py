@@ -25,8 +25,9 @@ from ._logging import warn_once
 from .config import Config
 from .data import ShardedDataLoader, shard_dataloader
 from .dist import collectives, env
-from .engine import make_mesh, plan_model, shard_model
+from .engine import agree_on_config, make_mesh, plan_model, report_config_error, shard_model
 from .materialize import init_empty_weights
+from .precision import GradScaler
 from .strategy_checkpoint import StrategyCheckpointMixin
 from .strategy_options import apply_options, check_options
 from .strategy_steps import StrategyStepsMixin
@@ -45,6 +46,8 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
             gathered between forward and backward), ``"NO_SHARD"`` (DDP), ``"HYBRID_SHARD"`` (shard inside a
             node, replicate across nodes); None keeps ``config``'s layout (FULL_SHARD without a config).
         mp_policy: a ``MixedPrecisionPolicy``, or ``"bf16"`` / ``"fp16"`` / ``"fp32"``; None keeps ``config.compute``.
+            With fp16 the strategy scales the loss with a ``GradScaler`` (``strategy.scaler``): ``backward``
+            scales, ``optimizer_step`` unscales before clipping and skips steps with inf/NaN gradients.
         cpu_offload: keep shards and optimizer state in CPU memory (CUDA runs; ignored with a warning on CPU).
         activation_checkpointing_policy: class names (or classes) of the layers to checkpoint.
         parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping.
@@ -122,6 +125,7 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
         self.model: nn.Module | None = None
         self.dataloader: ShardedDataLoader | None = None
         self.global_step = 0
+        self.scaler: GradScaler | None = None  # set up for fp16 compute in setup_environment
         self._micro_step = 0
         self._pending_optimizer_state: Any = None
         self._env: dict[str, Any] | None = None
@@ -135,25 +139,31 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
             ValueError: an invalid layout or batch sizes (the same message on every rank).
         """
         world = env.world_size()
-        apply_options(
-            self.config,
-            world_size=world,
-            data_parallel_size=self.data_parallel_size,
-            sharding_strategy=self.sharding_strategy,
-            mp_policy=self.mp_policy,
-            cpu_offload=self.cpu_offload,
-            activation_checkpointing_policy=self.activation_checkpointing_policy,
-        )
-        self.config.validate(world)
-        per_step = self.micro_train_batch_size * world
-        if self.train_batch_size is None:
-            self.train_batch_size = per_step
-        if self.train_batch_size % per_step:
-            raise ValueError(
-                f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
-                f"{self.micro_train_batch_size} x data-parallel world size {world} = {per_step}; choose a multiple"
+        try:
+            apply_options(
+                self.config,
+                world_size=world,
+                data_parallel_size=self.data_parallel_size,
+                sharding_strategy=self.sharding_strategy,
+                mp_policy=self.mp_policy,
+                cpu_offload=self.cpu_offload,
+                activation_checkpointing_policy=self.activation_checkpointing_policy,
             )
+            self.config.validate(world)
+            per_step = self.micro_train_batch_size * world
+            if self.train_batch_size is None:
+                self.train_batch_size = per_step
+            if self.train_batch_size % per_step:
+                raise ValueError(
+                    f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
+                    f"{self.micro_train_batch_size} x data-parallel world size {world} = {per_step}; choose a multiple"
+                )
+        except ValueError as exc:
+            if world > 1:
+                report_config_error(self.config, exc)
+            raise
         env.init_distributed(timeout=self.config.dist.timeout)
+        agree_on_config(self.config, None)
         random.seed(self.seed)
         torch.manual_seed(self.seed)
         with contextlib.suppress(ImportError):
@@ -162,6 +172,9 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
             numpy.random.seed(self.seed)
         device = env.device()
         self._env = {"device": device, "mesh": make_mesh(self.config, world_size=world, device=device)}
+        policy_fp16 = isinstance(self.mp_policy, MixedPrecisionPolicy) and self.mp_policy.param_dtype == torch.float16
+        if self.config.compute.fp16 or policy_fp16:
+            self.scaler = GradScaler(device)
         self.accumulation_steps = self.train_batch_size // per_step
 
     def _ready(self) -> dict[str, Any]:
@@ -229,7 +242,12 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
         if self.model is not None:
             warn_once("FSDP2Strategy.parallelize() called again: the model is already parallelized; returning it")
             return self.model
-        plan = plan_model(model, self.config)
+        try:
+            plan = plan_model(model, self.config)
+        except (ValueError, TypeError) as exc:
+            agree_on_config(self.config, exc)  # a model error on one rank only reaches the others
+            raise
+        agree_on_config(self.config, None)  # also catches a config changed on some ranks after setup_environment
         policy = self.mp_policy if isinstance(self.mp_policy, MixedPrecisionPolicy) else None
         shard_model(
             model,

@@ -1,7 +1,9 @@
 """The checkpoint half of ``FSDP2Strategy``: full or sharded files, rotation, deferred optimizer restore.
 
 All of it is built on ``torchacc.save`` / ``load``, ``save_checkpoint`` / ``load_checkpoint``
-(torch.distributed.checkpoint) and ``export_hf``; nothing here writes bytes its own way.
+(torch.distributed.checkpoint) and ``export_hf``; nothing here writes bytes its own way. Work that only
+rank 0 does (writing, deleting) reports its failure to every rank (``raise_on_any_rank``), so no rank
+waits for a rank 0 that gave up.
 """
 
 import os
@@ -11,10 +13,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from . import _checksums
-from ._checkpoint_dir import swap_in
+from ._checkpoint_dir import describe_failure, is_marked, swap_in
+from ._safe_load import SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader
 from .checkpoint import load_checkpoint, require_latest, save_checkpoint, write_staging
 from .dist import collectives, env
 from .serialization import describe_os_error, load, save
@@ -22,6 +26,7 @@ from .serialization import describe_os_error, load, save
 __all__ = ["StrategyCheckpointMixin"]
 
 _STEP_KEY = "__torchacc_global_step__"
+_SCALER_KEY = "__torchacc_grad_scaler__"
 
 
 def _dir_bytes(path: str) -> int:
@@ -46,6 +51,7 @@ class StrategyCheckpointMixin:
     checkpoint_io: Any
     cpu_offload: bool
     global_step: int
+    scaler: Any
     dataloader: Any
     _pending_optimizer_state: Any
 
@@ -73,9 +79,13 @@ class StrategyCheckpointMixin:
         ``"sharded"``: a DCP directory every rank writes its shards into. Every rank must call it.
         """
         if self.checkpoint_io is not None:
+            error = None
             if env.rank() == 0 or self.state_dict_type == "sharded":
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
-            collectives.barrier()
+                try:
+                    self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+                except Exception as exc:  # every rank raises, instead of waiting in a barrier
+                    error = f"{type(exc).__name__}: {exc}"
+            collectives.raise_on_any_rank(error, what=f"checkpoint_io.save_checkpoint({os.fspath(filepath)!r})")
             return
         if self.state_dict_type == "full":
             save(checkpoint, filepath, master_only=True, global_master=True)
@@ -103,42 +113,61 @@ class StrategyCheckpointMixin:
             shutil.rmtree(staging, ignore_errors=True)
         collectives.raise_on_any_rank(error, what=what)
 
-    def load_checkpoint(self, filepath: str | os.PathLike[str]) -> dict[str, Any]:
+    def load_checkpoint(self, filepath: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
         """Load a checkpoint written by ``save_checkpoint``; its ``"state_dict"`` goes into the model.
+
+        Args:
+            filepath: the file (``"full"``) or DCP directory (``"sharded"``).
+            weights_only: load without running code from the file (see ``torchacc.load``); False only for a
+                checkpoint you trust that holds other objects.
 
         Returns:
             The checkpoint dict (with ``"state_dict"`` as loaded).
+
+        Raises:
+            ValueError: a damaged file, or (with ``weights_only``) one that holds objects that would run code.
         """
         if self.checkpoint_io is not None:
             checkpoint = self.checkpoint_io.load_checkpoint(filepath)
         elif os.path.isdir(filepath):
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-            _checksums.verify(os.fspath(filepath), full=True, what=f"load_checkpoint({os.fspath(filepath)!r})")
-            meta = dcp.FileSystemReader(os.fspath(filepath)).read_metadata()
-            top = {path[0] for path in meta.planner_data.values()} - {"state_dict"}
-            checkpoint = _load_state_dict_from_keys(keys=top, checkpoint_id=os.fspath(filepath)) if top else {}
-            if "state_dict" in {path[0] for path in meta.planner_data.values()}:
-                template = {"state_dict": self._require_model().state_dict()}
-                dcp.load(template, checkpoint_id=os.fspath(filepath))
-                checkpoint["state_dict"] = template["state_dict"]
+            checkpoint = self._load_dcp(os.fspath(filepath), weights_only=weights_only)
         else:
-            checkpoint = load(filepath)
+            checkpoint = load(filepath, weights_only=weights_only)
         if "state_dict" in checkpoint and self.model is not None:
             self.model.load_state_dict(checkpoint["state_dict"])
         return checkpoint
 
+    def _load_dcp(self, path: str, *, weights_only: bool) -> dict[str, Any]:
+        _checksums.verify(path, full=True, what=f"load_checkpoint({path!r})")
+        reader = SafeReader(path, weights_only=weights_only)
+        top = {fqn[0] for fqn in reader.read_metadata().planner_data.values()}
+        checkpoint: dict[str, Any] = {}
+        try:
+            if top - {"state_dict"}:
+                planner = SafeEmptyLoadPlanner(top - {"state_dict"}, weights_only=weights_only)
+                dcp.load(checkpoint, storage_reader=reader, planner=planner)
+            if "state_dict" in top:
+                template = {"state_dict": self._require_model().state_dict()}
+                dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(weights_only=weights_only))
+                checkpoint["state_dict"] = template["state_dict"]
+        except CheckpointException as exc:  # raised on every rank
+            raise ValueError(f"load_checkpoint({path!r}) failed: {describe_failure(exc, path)}") from None
+        return checkpoint
+
     def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
-        """Delete a checkpoint file or directory (rank 0 deletes; every rank waits)."""
-        if self.checkpoint_io is not None:
-            if env.rank() == 0:
-                self.checkpoint_io.remove_checkpoint(filepath)
-        elif env.rank() == 0:
-            if os.path.isdir(filepath):
-                shutil.rmtree(filepath)
-            elif os.path.exists(filepath):
-                os.remove(filepath)
-        collectives.barrier()
+        """Delete a checkpoint file or directory (rank 0 deletes; every rank raises if it fails)."""
+        error = None
+        if env.rank() == 0:
+            try:
+                if self.checkpoint_io is not None:
+                    self.checkpoint_io.remove_checkpoint(filepath)
+                elif os.path.isdir(filepath):
+                    shutil.rmtree(filepath)
+                elif os.path.exists(filepath):
+                    os.remove(filepath)
+            except Exception as exc:
+                error = describe_os_error(exc, filepath)
+        collectives.raise_on_any_rank(error, what=f"remove_checkpoint({os.fspath(filepath)!r})")
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Keep optimizer state (``checkpoint["optimizer"]`` or the state itself) to restore at the first
@@ -168,6 +197,8 @@ class StrategyCheckpointMixin:
             The new checkpoint's path.
         """
         extra = {**(client_state or {}), _STEP_KEY: self.global_step}
+        if self.scaler is not None:
+            extra[_SCALER_KEY] = self.scaler.state_dict()
         path = save_checkpoint(
             save_dir,
             model=model,
@@ -188,10 +219,14 @@ class StrategyCheckpointMixin:
 
     @staticmethod
     def _rotate(save_dir: str, *, keep: str, max_num: int, max_bytes: float) -> None:
+        # Only checkpoints that save_checkpoint wrote (its marker names the directory) take part: a user's
+        # own DCP export or other folder beside them is never counted, let alone deleted.
         complete = [
             os.path.join(save_dir, name)
             for name in os.listdir(save_dir)
-            if not name.startswith(".") and os.path.isfile(os.path.join(save_dir, name, ".metadata"))
+            if not name.startswith(".")
+            and os.path.isfile(os.path.join(save_dir, name, ".metadata"))
+            and is_marked(os.path.join(save_dir, name))
         ]
         complete.sort(key=os.path.getmtime)
         sizes = {path: _dir_bytes(path) for path in complete}
@@ -208,8 +243,13 @@ class StrategyCheckpointMixin:
         load_dir: str | os.PathLike[str],
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        *,
+        weights_only: bool = True,
     ) -> tuple[str | None, dict[str, Any]]:
         """Load the latest complete checkpoint under ``load_dir`` (model, optimizer, scheduler, data position).
+
+        ``weights_only`` is as in ``torchacc.load_checkpoint``: False only for a checkpoint you trust whose
+        ``client_state`` holds other objects.
 
         Returns:
             ``(checkpoint path, client_state)``, or ``(None, {})`` when there is no checkpoint yet.
@@ -220,8 +260,18 @@ class StrategyCheckpointMixin:
         path = require_latest(load_dir)
         if path is None:
             return None, {}
-        extra = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=self.dataloader)
+        extra = load_checkpoint(
+            path,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            dataloader=self.dataloader,
+            weights_only=weights_only,
+        )
         self.global_step = extra.pop(_STEP_KEY, self.global_step)
+        scaler_state = extra.pop(_SCALER_KEY, None)
+        if self.scaler is not None and scaler_state is not None:
+            self.scaler.load_state_dict(scaler_state)
         return path, extra
 
     # --- export and offload ------------------------------------------------------------------------
@@ -229,16 +279,24 @@ class StrategyCheckpointMixin:
     def save_model(self, model: nn.Module, tokenizer: Any, output_dir: str | os.PathLike[str]) -> None:
         """Write a Hugging Face ``save_pretrained`` directory (safetensors) from the gathered full state.
 
-        Every rank must call it; rank 0 writes. An existing ``output_dir`` is replaced when complete.
+        Every rank must call it; rank 0 writes. Other files in ``output_dir`` (a training log, a checkpoint
+        folder) are left alone: only the export's own files and the tokenizer's are replaced.
+
+        Raises:
+            RuntimeError: on every rank, when rank 0 could not write (the message names the cause).
         """
         from .hf import export_hf
 
         state = _full_state_on_rank0(model)
+        error = None
         if env.rank() == 0:
-            export_hf(state, output_dir, model, overwrite=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(output_dir)
-        collectives.barrier()
+            try:
+                export_hf(state, output_dir, model, overwrite=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(output_dir)
+            except Exception as exc:  # every rank raises, instead of waiting in a barrier
+                error = describe_os_error(exc, output_dir)
+        collectives.raise_on_any_rank(error, what=f"save_model({os.fspath(output_dir)!r})")
 
     def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         for state in optimizer.state.values():

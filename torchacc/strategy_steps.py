@@ -2,7 +2,9 @@
 
 A micro-step's gradients are synchronized across ranks only on the last micro-step of an
 accumulation (``accumulation_steps``, set by ``FSDP2Strategy.setup_environment``); the optimizer
-steps, after clipping, only then.
+steps, after clipping, only then. With fp16 compute (``mp_policy="fp16"`` or ``compute.fp16``) a
+``GradScaler`` scales each micro-step's loss, unscales the gradients before clipping, and skips the
+step (and halves the scale) when any rank saw an inf or NaN.
 """
 
 from collections.abc import Callable, Mapping
@@ -15,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .grad import clip_grad_norm_
 from .optim_state import load_optim_state_dict
+from .precision import GradScaler
 
 __all__ = ["StrategyStepsMixin"]
 
@@ -28,6 +31,7 @@ class StrategyStepsMixin:
     defer_replica_all_reduce: bool
     device_mesh: DeviceMesh | None
     global_step: int
+    scaler: GradScaler | None
     _micro_step: int
     _pending_optimizer_state: Any
 
@@ -74,7 +78,8 @@ class StrategyStepsMixin:
         self._ready()
         self._micro_step += 1
         self._set_gradient_sync(model, last=self._micro_step % self.accumulation_steps == 0)
-        (loss / self.accumulation_steps).backward()
+        loss = loss / self.accumulation_steps
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def _set_gradient_sync(self, model: nn.Module, *, last: bool) -> None:
         # Set before the forward as well as before the backward: DDP reads the flag in its forward
@@ -88,18 +93,30 @@ class StrategyStepsMixin:
     def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module, scheduler: Any = None) -> float | None:
         """Step after the last micro-step of an accumulation: restore deferred state, clip, step, zero.
 
+        With fp16 the gradients are unscaled before clipping, and a step whose gradients hold an inf or
+        NaN on any rank is skipped on every rank (the scheduler does not step either) while the scale backs off.
+
         Returns:
             The global gradient norm before clipping (a float, the same on every rank) when ``max_norm`` is
-            set and a step was taken; None otherwise.
+            set and a step was due; None otherwise.
         """
         if self._micro_step % self.accumulation_steps:
             return None
         if self._pending_optimizer_state is not None:
             load_optim_state_dict(model, optimizer, self._pending_optimizer_state)
             self._pending_optimizer_state = None
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         norm = clip_grad_norm_(model.parameters(), self.max_norm) if self.max_norm > 0 else None
-        optimizer.step()
-        if scheduler is not None:
+        stepped = True
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)  # skipped when any rank found an inf or NaN
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale
+        if scheduler is not None and stepped:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1

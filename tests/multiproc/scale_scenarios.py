@@ -6,7 +6,6 @@ from _models import TinyNet, tiny_gpt2
 from scenarios import full_state, gpt2_config, train_gpt2
 
 import torchacc
-from torchacc import materialize
 
 
 def tinynet_train(**extra) -> dict:
@@ -31,8 +30,24 @@ def tinynet_train(**extra) -> dict:
     return {"losses": losses, "state": full_state(model), "keys": sorted(model.state_dict())}
 
 
+def fsdp_policies(**extra) -> dict:
+    """What FSDP2 was told: each block's explicit prefetch targets and whether it reshards after forward."""
+    model = torchacc.accelerate(tiny_gpt2(seed=0), config=gpt2_config(fsdp=2, **extra))
+    blocks = list(model.transformer.h)
+    position = {id(block._get_fsdp_state()): i for i, block in enumerate(blocks)}
+    states = [block._get_fsdp_state() for block in blocks]
+    return {
+        "forward": [[position[id(s)] for s in state._states_to_forward_prefetch] for state in states],
+        "backward": [[position[id(s)] for s in state._states_to_backward_prefetch] for state in states],
+        "reshards": [state._fsdp_param_group.post_forward_mesh_info is not None for state in states],
+    }
+
+
 def two_rank_suite() -> dict:
     return {
+        "policy_default": fsdp_policies(),
+        "policy_prefetch": fsdp_policies(dist__fsdp__forward_prefetch=1, dist__fsdp__backward_prefetch=2),
+        "policy_keep_gathered": fsdp_policies(dist__fsdp__reshard_after_forward=False),
         "default": train_gpt2(gpt2_config(fsdp=2)),
         "prefetch": train_gpt2(gpt2_config(fsdp=2, dist__fsdp__forward_prefetch=1, dist__fsdp__backward_prefetch=2)),
         "keep_gathered": train_gpt2(gpt2_config(fsdp=2, dist__fsdp__reshard_after_forward=False)),
@@ -49,9 +64,6 @@ def four_rank_suite() -> dict:
 
 def init_from(source: str, mode: str) -> dict:
     """Build tiny GPT-2 on the meta device and fill it from ``source``; report logits on fixed tokens."""
-    if mode == "rank0_only":
-        # Emulate a file only rank 0 can read: rank 0 sends each tensor, the others keep their slices.
-        materialize._everyone_sees = lambda path: [True] + [False] * (torchacc.dist.world_size() - 1)
     with torchacc.init_empty_weights():
         model = tiny_gpt2(seed=123)
         model.register_buffer("table", torch.arange(4.0), persistent=False)

@@ -85,14 +85,43 @@ def loader_indices(num_samples: str = "12") -> dict:
     return {"epochs": epochs, "len": len(loader)}
 
 
+def meta_init_state(fsdp: int = 0, dp: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Tiny GPT-2 (HF init) and TinyNet (reset_parameters) built on the meta device, then accelerated."""
+    result = {}
+    for name, build, wrap in (("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"), ("tinynet", TinyNet, "Block")):
+        torch.manual_seed(7)
+        with torchacc.init_empty_weights():
+            model = build()
+        config = torchacc.Config()
+        config.dist.fsdp.size = fsdp or torchacc.dist.world_size()
+        config.dist.dp.size = dp
+        config.dist.fsdp.wrap_layer_cls = {wrap}
+        model = torchacc.accelerate(model, config=config)
+        result[name] = full_state(model)
+        first = next(model.parameters())
+        result[f"{name}_local"] = {
+            "first": (first.to_local() if hasattr(first, "to_local") else first).detach().clone()
+        }
+    return result
+
+
 def low_precision(dtype_name: str) -> dict:
-    """A short bf16 or fp16 run on TinyNet; fp16 also injects an overflow on rank 1 only."""
+    """A short TinyNet run at 2-rank FSDP in "bf16", "fp16" or "fp32"; fp16 injects an overflow on rank 1 only."""
     config = torchacc.Config()
     config.dist.fsdp.size = 2
     config.dist.fsdp.wrap_layer_cls = {"Block"}
-    setattr(config.compute, dtype_name, True)
+    if dtype_name != "fp32":
+        setattr(config.compute, dtype_name, True)
     torch.manual_seed(0)
     model = torchacc.accelerate(TinyNet(), config=config)
+    inside = {}
+
+    def record(module, inputs, output):
+        inside.update(
+            weight=str(module.weight.dtype), output=str(output.dtype), autocast=torch.is_autocast_enabled("cpu")
+        )
+
+    model.blocks[0].fc1.register_forward_hook(record)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torchacc.GradScaler(init_scale=1024.0) if dtype_name == "fp16" else None
     gen = torch.Generator().manual_seed(10 + torchacc.dist.rank())
@@ -102,7 +131,7 @@ def low_precision(dtype_name: str) -> dict:
     for step in range(12):
         out = model(x)
         out_dtype = str(out.dtype)
-        loss = torch.nn.functional.mse_loss(out, y)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -111,6 +140,7 @@ def low_precision(dtype_name: str) -> dict:
             if step == 6:
                 if torchacc.dist.rank() == 1:
                     next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+                finite_here = all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
                 before = full_state(model)
                 scale_before = scaler.get_scale()
             scaler.step(optimizer)
@@ -118,13 +148,39 @@ def low_precision(dtype_name: str) -> dict:
             if step == 6:
                 after = full_state(model)
                 overflow = {
+                    "finite_here": finite_here,
                     "unchanged": all(torch.equal(before[k], after[k]) for k in before),
                     "scale_before": scale_before,
                     "scale_after": scaler.get_scale(),
                 }
         optimizer.zero_grad()
         losses.append(torchacc.dist.reduce(loss.detach()).item())
-    return {"losses": losses, "out_dtype": out_dtype, "overflow": overflow}
+    return {"losses": losses, "out_dtype": out_dtype, "overflow": overflow, "inside": inside}
+
+
+def gpt2_bf16_at_both_sizes() -> dict:
+    """The same bf16 config at dist.fsdp.size 1 (DP: autocast) and 2 (FSDP: the policy casts), and fp32."""
+    runs = {}
+    for name, fsdp, bf16 in (("fsdp_bf16", 2, True), ("dp_bf16", 1, True), ("fsdp_fp32", 2, False)):
+        runs[name] = train_gpt2(gpt2_config(fsdp=fsdp, compute__bf16=bf16), num_steps=3)["losses"]
+    return runs
+
+
+def no_whole_model_moves() -> list[str]:
+    """Which modules accelerate() moves as a whole (Module.to) while it shards: none may be."""
+    moved: list[str] = []
+    real_to = torch.nn.Module.to
+
+    def spy(self, *args, **kwargs):
+        moved.append(type(self).__name__)
+        return real_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = spy
+    try:
+        torchacc.accelerate(tiny_gpt2(seed=0), config=gpt2_config(fsdp=2))
+    finally:
+        torch.nn.Module.to = real_to
+    return moved
 
 
 def collectives() -> dict:
@@ -157,6 +213,9 @@ def fsdp_suite() -> dict:
         "loader": loader_indices(),
         "bf16": low_precision("bf16"),
         "fp16": low_precision("fp16"),
+        "fp32": low_precision("fp32"),
+        "bf16_sizes": gpt2_bf16_at_both_sizes(),
+        "moves": no_whole_model_moves(),
         "collectives": collectives(),
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),
@@ -168,6 +227,8 @@ def hsdp_suite() -> dict:
     return {
         "hsdp": train_gpt2(gpt2_config(fsdp=2, dp=2)),
         "hsdp_strided": train_gpt2(gpt2_config(fsdp=2, dp=2, dist__topology=["fsdp", "dp"]), num_steps=2),
+        "meta_fsdp4": meta_init_state(fsdp=4),
+        "meta_hsdp": meta_init_state(fsdp=2, dp=2),
     }
 
 

@@ -6,6 +6,7 @@ import resource
 import threading
 
 import torch
+import torch.distributed.checkpoint as dcp
 from _models import tiny_gpt2, token_dataset
 from scenarios import full_state
 from torch.utils.data import DataLoader
@@ -57,6 +58,7 @@ def two_rank_suite(out: str) -> dict:
     results["deferred"] = deferred_restore(out)
     results["rotation"] = rotation_and_export(out)
     results["meta_memory"] = meta_memory()
+    results["fp16"] = fp16_scaling()
     return results
 
 
@@ -101,12 +103,48 @@ def deferred_restore(out: str) -> dict:
     }
 
 
+def fp16_scaling() -> dict:
+    """mp_policy="fp16": backward scales the loss, optimizer_step unscales before clipping, and an inf on one
+    rank skips the step (and the scheduler) on every rank while the scale backs off."""
+    strategy = make_strategy("FULL_SHARD", mp_policy="fp16", max_norm=1e6)
+    model = strategy.parallelize(tiny_gpt2(seed=0))
+    loader = strategy.process_dataloader(DataLoader(token_dataset(64), batch_size=MICRO))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batches = iter(loader)
+    result = {"initial_scale": strategy.scaler.get_scale() if strategy.scaler is not None else None, "steps": []}
+    for step in range(3):
+        for i in range(strategy.accumulation_steps):
+            batch = next(batches)
+            loss = strategy.training_step({"input_ids": batch["input_ids"], "labels": batch["labels"]}, i)
+            strategy.backward(loss, model, optimizer)
+        scaled_norm = torchacc.grad.grad_norm(model.parameters())
+        if step == 1 and torchacc.dist.rank() == 1:
+            next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+        before, scale, lr_steps = full_state(model), strategy.scaler.get_scale(), scheduler.last_epoch
+        norm = strategy.optimizer_step(optimizer, model, scheduler)
+        result["steps"].append(
+            {
+                "scaled_norm": scaled_norm,
+                "norm": norm,
+                "scale": scale,
+                "scale_after": strategy.scaler.get_scale(),
+                "changed": any(not torch.equal(v, before[k]) for k, v in full_state(model).items()),
+                "scheduler_stepped": scheduler.last_epoch > lr_steps,
+            }
+        )
+    return result
+
+
 def rotation_and_export(out: str) -> dict:
     strategy = make_strategy("FULL_SHARD")
     model = strategy.parallelize(tiny_gpt2(seed=0))
     loader = strategy.process_dataloader(DataLoader(token_dataset(64), batch_size=MICRO))
     optimizer = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.1)
     save_dir = os.path.join(out, "rotating")
+    if torchacc.dist.rank() == 0:  # the user's own DCP export beside the rotating checkpoints: never deleted
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=os.path.join(save_dir, "my-export"), no_dist=True)
+    torchacc.dist.barrier()
     batches = iter(loader)
     for _ in range(4):
         train(strategy, model, optimizer, itertools.islice(batches, strategy.accumulation_steps))
@@ -121,7 +159,15 @@ def rotation_and_export(out: str) -> dict:
     optimizer2 = strategy2.create_optimizer(model2, lr=1e-3, weight_decay=0.1)
     path, client_state = strategy2.load_ckpt(model2, save_dir, optimizer=optimizer2)
     resumed_equal = all(torch.equal(v, expected[k]) for k, v in full_state(model2).items())
-    strategy2.save_model(model2, None, os.path.join(out, "hf"))
+    hf_dir = os.path.join(out, "hf")
+    if torchacc.dist.rank() == 0:  # the user's files in the output directory survive save_model
+        os.makedirs(os.path.join(hf_dir, "run-1"), exist_ok=True)
+        with open(os.path.join(hf_dir, "train.log"), "w") as f:
+            f.write("step 1\n")
+        with open(os.path.join(hf_dir, "model.safetensors"), "w") as f:
+            f.write("an earlier export, replaced")
+    torchacc.dist.barrier()
+    strategy2.save_model(model2, None, hf_dir)
     return {
         "kept": kept,
         "loaded": os.path.basename(path),
@@ -138,11 +184,13 @@ def _rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
+def build_meta_model() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(16)])
+
+
 def meta_memory() -> dict:
     """Peak RSS growth while building and parallelizing a 64M-parameter model on the meta device."""
-
-    def build():
-        return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(16)])
+    build = build_meta_model
 
     model_bytes = 16 * 2048 * 2048 * 4
     strategy = torchacc.FSDP2Strategy(sharding_strategy="FULL_SHARD", seed=0)
@@ -163,10 +211,13 @@ def meta_memory() -> dict:
     model = strategy.parallelize(model)
     done.set()
     thread.join()
+    growth = max(peak[0], _rss_bytes()) - base
     local = sum(p.to_local().numel() * 4 for p in model.parameters())
     std = model[0].weight.full_tensor().std().item()
     return {
-        "growth": max(peak[0], _rss_bytes()) - base,
+        "first_and_last": [model[0].weight.full_tensor(), model[15].weight.full_tensor()],
+        "local_rows": model[0].weight.to_local()[:4].clone(),
+        "growth": growth,
         "model_bytes": model_bytes,
         "local_bytes": local,
         "std": std,

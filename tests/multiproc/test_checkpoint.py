@@ -39,8 +39,17 @@ def test_offline_consolidation_is_bitwise_equal_to_the_gathered_state(saved):
     assert not dist.is_initialized()
     full = torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(ckpt_prefix=f"{out}/shards/", save_model=False)
     assert_states_equal(full["model"], results[0]["gathered"])
-    assert torch.equal(full["model"]["transformer.marker"], torch.arange(5.0)), "buffers come from rank 0"
     plain_model().load_state_dict(full["model"], strict=True)
+
+
+def test_a_buffer_comes_from_rank_0s_file(saved, tmp_path):
+    out, _ = saved
+    for rank in range(2):  # each rank's file holds its own copy of a buffer; here the copies differ
+        shard = torch.load(out / "shards" / f"rank-{rank}-of-2-model.pth", weights_only=True)
+        shard["model"]["transformer.marker"] = torch.arange(5.0) + 100 * rank
+        torch.save(shard, tmp_path / f"rank-{rank}-of-2-model.pth")
+    full = torchacc.consolidate(f"{tmp_path}/rank-*-of-*-model.pth")
+    assert torch.equal(full["model"]["transformer.marker"], torch.arange(5.0))
 
 
 def test_master_wrote_consolidated_file_and_the_sharded_model_reloads_it(saved):

@@ -67,17 +67,48 @@ def test_loader_batches_are_disjoint_and_cover_the_dataset(two_ranks):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_trains(two_ranks, dtype):
-    result = two_ranks[0][dtype]
-    assert result["out_dtype"] == "torch.float32", "floating outputs must come back in float32"
+def test_low_precision_trains_in_the_low_dtype_under_the_fsdp_policy_only(two_ranks, dtype):
+    result, fp32 = two_ranks[0][dtype], two_ranks[0]["fp32"]
+    low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
+    # FSDP's policy all-gathers the weights in the low dtype; no autocast runs on top of it
+    assert result["inside"] == {"weight": low, "output": low, "autocast": False}
+    assert fp32["inside"] == {"weight": "torch.float32", "output": "torch.float32", "autocast": False}
+    assert result["out_dtype"] == low, "outputs larger than a scalar stay in the compute dtype"
     assert result["losses"][-1] < 0.2 * result["losses"][0]
+    # a low-precision run is not the fp32 run (which would also lower the loss), but stays close to it
+    assert result["losses"] != fp32["losses"]
+    torch.testing.assert_close(torch.tensor(result["losses"][:4]), torch.tensor(fp32["losses"][:4]), rtol=0.05, atol=0)
+
+
+def test_bf16_trains_alike_at_fsdp_sizes_one_and_two(two_ranks):
+    runs = two_ranks[0]["bf16_sizes"]
+    fsdp, dp, fp32 = (torch.tensor(runs[k]) for k in ("fsdp_bf16", "dp_bf16", "fsdp_fp32"))
+    torch.testing.assert_close(fsdp, dp, rtol=2e-2, atol=0)  # bf16 rounding: 8 bits of mantissa
+    assert not torch.equal(fsdp, fp32) and not torch.equal(dp, fp32)
 
 
 def test_fp16_overflow_on_one_rank_is_skipped_on_all(two_ranks):
-    for rank_result in two_ranks:
-        overflow = rank_result["fp16"]["overflow"]
-        assert overflow["unchanged"], "a step with an inf gradient must not change the parameters"
+    overflows = [rank_result["fp16"]["overflow"] for rank_result in two_ranks]
+    assert overflows[0]["finite_here"] and not overflows[1]["finite_here"], "the inf is on rank 1 only"
+    for overflow in overflows:
+        assert overflow["unchanged"], "a step with an inf gradient on any rank must not change the parameters"
         assert overflow["scale_after"] == overflow["scale_before"] / 2
+
+
+def test_no_module_is_moved_to_the_device_whole_before_it_is_sharded(two_ranks):
+    for rank_result in two_ranks:
+        assert rank_result["moves"] == []
+
+
+@pytest.mark.parametrize("layout", ["meta_fsdp4", "meta_hsdp"])
+def test_meta_init_at_four_ranks_equals_one_process(four_ranks, layout):
+    import scenarios
+
+    reference = scenarios.meta_init_state()
+    for result in four_ranks:
+        for model in ("gpt2", "tinynet"):
+            for key, value in reference[model].items():
+                assert torch.equal(result[layout][model][key], value), (model, key)
 
 
 def test_collectives(two_ranks):

@@ -78,7 +78,7 @@ def test_deferred_optimizer_restore_resumes_bitwise(two_ranks):
 def test_save_ckpt_rotates_and_load_ckpt_resumes(two_ranks):
     results, _ = two_ranks
     rotation = results[0]["rotation"]
-    assert rotation["kept"] == ["global_step3", "global_step4", "latest"]
+    assert rotation["kept"] == ["global_step3", "global_step4", "latest", "my-export"], "only its own are rotated"
     assert rotation["loaded"] == "global_step4" and rotation["global_step"] == 4
     assert rotation["client_state"] == {"note": 4}
     assert rotation["resumed_equal"] and rotation["same_next_batch"]
@@ -91,6 +91,20 @@ def test_save_model_writes_a_transformers_directory(two_ranks):
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert (out / "hf" / "train.log").read_text() == "step 1\n" and (out / "hf" / "run-1").is_dir()
+
+
+def test_fp16_strategy_scales_unscales_before_clipping_and_skips_overflows_everywhere(two_ranks):
+    results, _ = two_ranks
+    for rank, result in enumerate(r["fp16"] for r in results):
+        assert result["initial_scale"] == 2.0**16
+        first, overflow, last = result["steps"]
+        # backward scaled the loss; the norm that clipping saw (and returned) is the unscaled one
+        assert first["scaled_norm"] / first["norm"] == pytest.approx(first["scale"], rel=1e-3)
+        assert first["changed"] and first["scheduler_stepped"] and first["scale_after"] == first["scale"]
+        assert not overflow["changed"] and not overflow["scheduler_stepped"], f"rank {rank} stepped on an inf"
+        assert overflow["scale_after"] == overflow["scale"] / 2
+        assert last["changed"] and last["scale"] == overflow["scale_after"]
 
 
 def test_meta_init_allocates_about_one_shard_per_rank(two_ranks):
@@ -101,3 +115,18 @@ def test_meta_init_allocates_about_one_shard_per_rank(two_ranks):
         assert memory["growth"] < 0.75 * memory["model_bytes"], memory
         bound = 1 / 2048**0.5  # kaiming-uniform of nn.Linear: U(-bound, bound), std = bound / sqrt(3)
         assert abs(memory["std"] - bound / 3**0.5) < 0.05 * bound
+    # The default flow (same seed on every rank, init_model_context) gives the weights of one process ...
+    from strategy_scenarios import build_meta_model
+
+    import torchacc
+
+    strategy = torchacc.FSDP2Strategy(sharding_strategy="FULL_SHARD", seed=0)
+    strategy.setup_environment()
+    with strategy.init_model_context():
+        model = build_meta_model()
+    model = strategy.parallelize(model)
+    for result in results:
+        first, last = result["meta_memory"]["first_and_last"]
+        assert torch.equal(first, model[0].weight) and torch.equal(last, model[15].weight)
+    # ... so the shards are not copies of each other (DTensor on CPU draws the same numbers on every rank)
+    assert not torch.equal(results[0]["meta_memory"]["local_rows"], results[1]["meta_memory"]["local_rows"])

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from _faults import disk_full, inject, raising, stamped_kill
-from _models import TinyNet
+from _models import TinyNet, tiny_gpt2
 from torch.distributed.tensor import DTensor
 
 import torchacc
@@ -114,6 +114,17 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])
 
 
+class _FailingIO:
+    """A checkpoint_io whose save fails (on rank 0, the only rank that calls it for a full state dict)."""
+
+    def save_checkpoint(self, checkpoint: Any, path: Any) -> None:
+        raise OSError(errno.EIO, "input/output error", str(path))
+
+
+def _denied(*args: Any, **kwargs: Any) -> None:
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(args[0]) if args else None)
+
+
 def rank_errors(out: str) -> dict[str, Any]:
     """One launch, many failures: a config error, and errors raised on one rank only, inside save and load."""
     out_dir, rank = Path(out), torchacc.dist.rank()
@@ -122,6 +133,16 @@ def rank_errors(out: str) -> dict[str, Any]:
     bad = torchacc.Config()
     bad.dist.fsdp.size = 3
     results["config"] = _attempt(lambda: torchacc.accelerate(TinyNet(), config=bad))
+
+    # Ranks that disagree: a wrap class set on rank 0 only (a gloo abort before), and a config that only
+    # rank 1 finds invalid (rank 0 waited out the timeout before).
+    differs = torchacc.Config()
+    differs.dist.fsdp.size = 2
+    differs.dist.fsdp.wrap_layer_cls = {"Block"} if rank == 0 else set()
+    results["config_differs"] = _attempt(lambda: torchacc.accelerate(TinyNet(), config=differs))
+    one_bad = torchacc.Config()
+    one_bad.dist.fsdp.size = 2 if rank == 0 else 3
+    results["config_bad_on_rank1"] = _attempt(lambda: torchacc.accelerate(TinyNet(), config=one_bad))
 
     model, optimizer = build(timeout=20.0)
     train_step(model, optimizer)
@@ -171,6 +192,25 @@ def rank_errors(out: str) -> dict[str, Any]:
     results["load_bit_flip"] = _attempt(lambda: torchacc.load_checkpoint(flipped, model=model))
     truncated = _damaged_copy(first, out_dir / "truncated", _truncate)
     results["load_truncated"] = _attempt(lambda: torchacc.load_checkpoint(truncated, model=model, verify=False))
+
+    # Work only rank 0 does in the strategy, failing there: the other rank must hear of it at once.
+    strategy = torchacc.FSDP2Strategy(sharding_strategy="FULL_SHARD", seed=0)
+    strategy.config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    strategy.setup_environment()
+    gpt2 = strategy.parallelize(tiny_gpt2(seed=0))
+    below_a_file = out_dir / "blocker0"
+    if rank == 0:
+        below_a_file.write_text("a file where a directory is expected")
+    torchacc.dist.barrier()
+    results["save_model_fails_on_rank0"] = _attempt(lambda: strategy.save_model(gpt2, None, below_a_file / "hf"))
+    doomed = out_dir / "doomed-ckpt"
+    doomed.mkdir(exist_ok=True)
+    real_rmtree = shutil.rmtree
+    _only_on(0, lambda: setattr(shutil, "rmtree", _denied))
+    results["remove_fails_on_rank0"] = _attempt(lambda: strategy.remove_checkpoint(doomed))
+    shutil.rmtree = real_rmtree
+    strategy.checkpoint_io = _FailingIO()
+    results["checkpoint_io_fails_on_rank0"] = _attempt(lambda: strategy.save_checkpoint({"a": 1}, out_dir / "io.pt"))
 
     # After all that, the process group still works and the good checkpoint still resumes.
     results["all_reduce"] = torchacc.dist.all_reduce(torch.ones(1)).item()

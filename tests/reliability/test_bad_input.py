@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from _models import TinyNet
+from _models import Block, TinyNet
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -131,6 +131,49 @@ def consolidate_into_a_shard_via_a_symlink(ctx: Ctx) -> None:
 def reshard_into_the_source(ctx: Ctx) -> None:
     write_shard_set(ctx.tmp, {0: 2, 1: 2}, name="rank-{rank}-of-{world}-model.pth")
     torchacc.reshard_checkpoint(ctx.tmp, f"{ctx.tmp}/.", num_shards=2)
+
+
+# --- trust review: configs that read wrongly, models FSDP2 cannot shard, tags and extras that load wrongly ---
+
+
+def two_ranks_planned(model: torch.nn.Module, **fields: Any) -> Callable[[Ctx], Any]:
+    """accelerate() as rank 0 of 2 would run it, up to the checks that precede every collective."""
+
+    def trigger(ctx: Ctx) -> Any:
+        ctx.monkeypatch.setenv("WORLD_SIZE", "2")
+        return torchacc.accelerate(model, config=config(dist__fsdp__size=2, **fields))
+
+    return trigger
+
+
+class MixedDtypes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.block.fc2.to(torch.bfloat16)
+        self.head = torch.nn.Linear(16, 1)
+
+
+class EmptyParameter(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(0))
+
+
+class RunsCode:
+    """A pickle payload: loading it would create a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def numpy_in_extra(ctx: Ctx) -> None:
+    import numpy
+
+    torchacc.save_checkpoint(ctx.tmp / "ckpt", model=TinyNet(), extra={"rng": numpy.random.get_state()})
 
 
 def damage_metadata(path: Path, edit: Callable[[dict], Any]) -> None:
@@ -482,7 +525,7 @@ CASES = [
     Case(
         "save-checkpoint-extra-not-a-dict",
         ValueError,
-        "extra= must be a dict of picklable values, got list",
+        "extra= must be a dict of tensors, containers, numbers, strings; got list",
         lambda ctx: torchacc.save_checkpoint(ctx.tmp, model=TinyNet(), extra=[1]),
     ),
     Case(
@@ -640,6 +683,74 @@ CASES = [
         ValueError,
         r"r1.pth: shard_metadata is damaged: 'rank' is '1' \(str\), expected an int; re-save the shards",
         damaged_metadata(lambda meta: meta.update(rank="1")),
+    ),
+    Case(
+        "yaml-set-literal-on-the-command-line",
+        ValueError,
+        r"dist.fsdp.wrap_layer_cls: got \{GPT2Block\}, which YAML reads as a mapping, not a set; write a YAML "
+        r"list: \[GPT2Block\] \(on the command line: dist.fsdp.wrap_layer_cls=\[GPT2Block\]\)",
+        lambda ctx: torchacc.Config.from_cli(["dist.fsdp.wrap_layer_cls={GPT2Block}"]),
+    ),
+    Case(
+        "yaml-set-literal-in-a-file",
+        ValueError,
+        r"dist.fsdp.wrap_layer_cls: got \{GPT2Block\}, which YAML reads as a mapping.*\(in .*set.yaml\)",
+        lambda ctx: torchacc.Config.from_yaml(
+            write(ctx.tmp / "set.yaml", "dist:\n  fsdp:\n    wrap_layer_cls: {GPT2Block}\n")
+        ),
+    ),
+    Case(
+        "yaml-file-holding-a-scalar",
+        ValueError,
+        r"config: the file holds 'fsdp' \(str\), not a mapping of sections; write e.g. 'dist: .*\(in .*scalar.yaml\)",
+        lambda ctx: torchacc.Config.from_yaml(write(ctx.tmp / "scalar.yaml", "fsdp\n")),
+    ),
+    Case(
+        "timeout-infinite",
+        ValueError,
+        "dist.timeout must be a finite number of seconds, got inf; .* use e.g. 1800.0",
+        validate(dist__timeout=float("inf")),
+    ),
+    Case(
+        "timeout-nan",
+        ValueError,
+        "dist.timeout must be a finite number of seconds, got nan",
+        validate(dist__timeout=float("nan")),
+    ),
+    Case(
+        "mixed-dtypes-in-one-fsdp-unit",
+        ValueError,
+        r"the FSDP unit 'block' holds parameters of different dtypes: float32 \(block.fc1.weight\), bfloat16 "
+        r"\(block.fc2.weight\);.*add the odd submodule's class to dist.fsdp.wrap_layer_cls",
+        two_ranks_planned(MixedDtypes(), dist__fsdp__wrap_layer_cls={"Block"}),
+    ),
+    Case(
+        "zero-element-parameter",
+        ValueError,
+        r"parameter 'unused' has no elements \(shape \(0,\)\), which FSDP2 cannot shard; remove it, or register it "
+        "as a buffer",
+        two_ranks_planned(EmptyParameter(), dist__fsdp__wrap_layer_cls={"Block"}),
+    ),
+    Case(
+        "checkpoint-tag-with-surrounding-whitespace",
+        ValueError,
+        r"tag='final ' is not a plain directory name; .*no surrounding whitespace",
+        lambda ctx: torchacc.save_checkpoint(ctx.tmp / "ckpt", model=TinyNet(), tag="final "),
+    ),
+    Case(
+        "checkpoint-extra-that-would-not-load-safely",
+        ValueError,
+        r"extra= holds values that could not be loaded back without running code .*torch.from_numpy",
+        numpy_in_extra,
+    ),
+    Case(
+        "torchacc-load-of-pickled-code",
+        ValueError,
+        r"code.pth: refused to load: it holds pickled objects that could run code .*weights_only=False",
+        lambda ctx: (
+            torch.save({"x": RunsCode(ctx.tmp / "ran")}, ctx.tmp / "code.pth"),
+            torchacc.load(ctx.tmp / "code.pth"),
+        ),
     ),
 ]
 

@@ -38,6 +38,15 @@ def test_config_error_raises_the_same_message_on_every_rank(errors):
 @pytest.mark.parametrize(
     ("name", "error_type", "names"),
     [
+        (
+            "config_differs",
+            "ValueError",
+            ["dist.fsdp.wrap_layer_cls: rank 0=['Block'], rank 1=[]", "the same torchacc.Config"],
+        ),
+        ("config_bad_on_rank1", "ValueError", ["dist.fsdp.size: rank 0=2, rank 1=3"]),
+        ("save_model_fails_on_rank0", "RuntimeError", ["save_model(", "rank 0:", "blocker0' is a file"]),
+        ("remove_fails_on_rank0", "RuntimeError", ["remove_checkpoint(", "rank 0:", "not writable"]),
+        ("checkpoint_io_fails_on_rank0", "RuntimeError", ["checkpoint_io.save_checkpoint(", "rank 0: OSError"]),
         ("save_unwritable_on_rank1", "RuntimeError", ["rank 1:", "blocker' is a file, not a directory"]),
         ("save_disk_full_on_rank0", "RuntimeError", ["rank 0: no space left on the device", "full.pth"]),
         ("checkpoint_disk_full_on_rank1", "RuntimeError", ["rank 1: no space left", ".checkpoint-2.incomplete"]),

@@ -1,5 +1,7 @@
 """accelerate() in one process: the errors it raises before any collective, and what it returns."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -126,22 +128,38 @@ def test_accelerated_loader_cannot_be_accelerated_again():
         torchacc.accelerate(TinyNet(), loader)
 
 
-def test_bf16_returns_float32_outputs_and_warns_on_cpus_without_bf16(monkeypatch):
+@dataclasses.dataclass
+class LossAndLogits:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class TinyNetWithLoss(TinyNet):
+    def forward(self, x: torch.Tensor) -> LossAndLogits:  # a dataclass output, not a dict
+        logits = super().forward(x)
+        return LossAndLogits(loss=logits.square().mean(), logits=logits)
+
+
+def test_bf16_autocasts_without_fsdp_and_returns_the_loss_in_float32(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torchacc._logging, "_seen", set())
     config = torchacc.Config()
     config.compute.bf16 = True
     with pytest.warns(UserWarning, match="compute.bf16=True on a CPU without native bf16"):
-        model = torchacc.accelerate(TinyNet(), config=config)
+        model = torchacc.accelerate(TinyNetWithLoss(), config=config)
     seen = {}
 
-    def record_dtype(module, inputs, output):
-        seen["dtype"] = output.dtype
+    def record(module, inputs, output):
+        seen["dtype"], seen["autocast"] = output.dtype, torch.is_autocast_enabled("cpu")
 
-    model.blocks[0].fc1.register_forward_hook(record_dtype)
+    model.blocks[0].fc1.register_forward_hook(record)
     out = model(torch.randn(2, 16))
-    assert seen["dtype"] == torch.bfloat16 and out.dtype == torch.float32
+    assert seen == {"dtype": torch.bfloat16, "autocast": True}, "one process has no FSDP policy: autocast casts"
+    assert isinstance(out, LossAndLogits)
+    assert out.loss.dtype == torch.float32, "a scalar output (the loss) comes back in float32"
+    assert out.logits.dtype == torch.bfloat16, "larger outputs stay in bf16 (a float32 copy doubles their memory)"
+    assert next(model.parameters()).dtype == torch.float32
 
 
 def count_saved_tensors(model: nn.Module) -> int:

@@ -377,7 +377,7 @@ def test_from_dict_rejects_non_mapping():
             "dist.fsdp.wrap_layer_cls: expected set of str, got 'GPT2Block' (str); use a set of class names such as "
             "{'GPT2Block'} (in YAML or on the command line: [GPT2Block])",
         ),
-        ("- compute\n", "config: expected a mapping with keys compute, memory, dist, dataloader"),
+        ("- compute\n", "holds ['compute'] (list), not a mapping of sections; write e.g. 'dist: {fsdp: {size: 2}}'"),
     ],
 )
 def test_from_yaml_errors(tmp_path, text, message):

@@ -90,7 +90,7 @@ def test_activation_checkpointing_policy_and_precision_reach_the_config():
     model = strategy.parallelize(TinyNet())
     assert strategy.config.memory.gc and strategy.config.memory.gc_cls == {"Block"}
     assert type(model.blocks[0].forward).__name__ == "_CheckpointedForward"
-    assert model(torch.zeros(2, 16)).dtype == torch.float32
+    assert model(torch.zeros(2, 16)).dtype == torch.bfloat16, "mp_policy='bf16' reaches the forward"
 
 
 def test_clip_grad_norm_matches_torch_in_one_process():

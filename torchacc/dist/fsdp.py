@@ -18,6 +18,8 @@ from ..consolidate import consolidate_sharded_model_checkpoints, consolidate_sha
 
 __all__ = [
     "resolve_module_classes",
+    "plan_units",
+    "check_units",
     "wrap_fsdp",
     "wrap_ddp",
     "consolidate_sharded_model_checkpoints",
@@ -68,6 +70,55 @@ def _modules_with_foreign_params(model: nn.Module, candidates: list[tuple[str, n
     return tied
 
 
+def plan_units(
+    model: nn.Module, layer_classes: Collection[type[nn.Module]], *, warn: bool = False
+) -> list[tuple[str, nn.Module]]:
+    """The modules that become FSDP units below the root, parents first (see ``wrap_fsdp``).
+
+    A module whose parameter is tied to one outside it is left to its parent (with a warning when ``warn``).
+    """
+    classes = tuple(layer_classes)
+    candidates = [(n, m) for n, m in model.named_modules() if m is not model and isinstance(m, classes)]
+    for name, param_name in _modules_with_foreign_params(model, candidates).items():
+        if warn:
+            warn_once(
+                f"not sharding {name} as its own unit: its parameter is tied to {param_name}, and tied weights "
+                "must live in one FSDP group; it is sharded with its parent instead"
+            )
+        candidates = [(n, m) for n, m in candidates if n != name]
+    return candidates
+
+
+def check_units(model: nn.Module, layer_classes: Collection[type[nn.Module]]) -> None:
+    """Raise ValueError (before any collective) for parameters FSDP2 cannot shard as ``wrap_fsdp`` would group them.
+
+    FSDP2 all-gathers each unit's parameters as one buffer of one dtype, and cannot shard a parameter with
+    no elements; both fail only at the first forward or backward, with an upstream error.
+    """
+    units = plan_units(model, layer_classes)
+    owner: dict[int, str] = {}
+    for unit_name, unit in [("", model), *units]:  # parents first: a nested unit takes its parameters over
+        for name, param in unit.named_parameters():
+            owner[id(param)] = unit_name
+    dtypes: dict[str, dict[torch.dtype, str]] = {}
+    for name, param in model.named_parameters():
+        if param.numel() == 0:
+            raise ValueError(
+                f"parameter {name!r} has no elements (shape {tuple(param.shape)}), which FSDP2 cannot shard; remove "
+                "it, or register it as a buffer (module.register_buffer) if it is not trained"
+            )
+        dtypes.setdefault(owner[id(param)], {}).setdefault(param.dtype, name)
+    for unit_name, found in dtypes.items():
+        if len(found) > 1:
+            listing = ", ".join(f"{str(dtype).removeprefix('torch.')} ({name})" for dtype, name in found.items())
+            raise ValueError(
+                f"dist.fsdp.wrap_layer_cls: the FSDP unit {unit_name or 'root'!r} holds parameters of different "
+                f"dtypes: {listing}; FSDP2 all-gathers a unit's parameters as one buffer of one dtype: cast the "
+                "model to one dtype before accelerate() (compute.bf16 keeps float32 weights and computes in bf16), "
+                "or add the odd submodule's class to dist.fsdp.wrap_layer_cls so that it becomes a unit of its own"
+            )
+
+
 def wrap_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -108,14 +159,7 @@ def wrap_fsdp(
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    classes = tuple(layer_classes)
-    candidates = [(n, m) for n, m in model.named_modules() if m is not model and isinstance(m, classes)]
-    for name, param_name in _modules_with_foreign_params(model, candidates).items():
-        warn_once(
-            f"not sharding {name} as its own unit: its parameter is tied to {param_name}, and tied weights "
-            "must live in one FSDP group; it is sharded with its parent instead"
-        )
-        candidates = [(n, m) for n, m in candidates if n != name]
+    candidates = plan_units(model, layer_classes, warn=True)
     # named_modules() lists parents before children, so the reverse shards children first.
     for _, module in reversed(candidates):
         fully_shard(module, **kwargs)
