@@ -8,6 +8,8 @@ root, or DDP -> meta-device materialization -> mixed precision) -> optimizer rem
 (``torchacc/engine.py``) is shared with ``FSDP2Strategy``.
 """
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -67,6 +69,7 @@ def accelerate(
     _check_types(model, dataloader, config)
     world_size, rank = env.world_size(), env.rank()
     try:
+        _require_torchrun(config, world_size)
         config.validate(world_size)
         plan = plan_model(model, config, optimizer=optimizer)
         device = env.device()
@@ -97,6 +100,22 @@ def accelerate(
         remap_optimizer(optimizer, model)
         return model, loader, optimizer
     return model if loader is None else (model, loader)
+
+
+def _require_torchrun(config: Config, world_size: int) -> None:
+    """A layout of several ranks run as plain ``python train.py``: say how to launch it."""
+    wanted = config.dist.fsdp.size * (config.dist.dp.size or 1)
+    if world_size == 1 and wanted > 1 and "WORLD_SIZE" not in os.environ:
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        script = script if script and not script.startswith("-") else "train.py"
+        layout = f"dist.fsdp.size={config.dist.fsdp.size}"
+        if config.dist.dp.size:
+            layout += f" x dist.dp.size={config.dist.dp.size}"
+        raise ValueError(
+            f"{layout} asks for {wanted} processes, but this one was not started by torchrun and runs alone; "
+            f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 to train in "
+            "one process"
+        )
 
 
 def _check_types(model: Any, dataloader: Any, config: Any) -> None:

@@ -21,7 +21,7 @@ class _CheckpointedForward:
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
-        functools.update_wrapper(self, forward)
+        functools.update_wrapper(self, forward, updated=())  # not __dict__: it would bring a wrapped wrapper's forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)

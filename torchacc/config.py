@@ -93,6 +93,10 @@ class FSDPConfig(Node):
     """All-gather the next N units' parameters during backward; 0 keeps FSDP2's default (one, implicitly)."""
     reduce_dtype: str = "float32"
     """Dtype of the gradient reduce-scatter/all-reduce: "float32" (default, exact), "bfloat16" or "float16"."""
+    broadcast_buffers: bool = True
+    """Keep buffers (BatchNorm running statistics) equal on every rank, DDP's knob and default: the buffers that
+    the forward changes are broadcast from rank 0 before each forward (one small broadcast; none for a model whose
+    forward changes no buffer). False lets each rank keep the statistics of its own batches."""
     sync_module_states: bool = True
     """Make every rank start from rank 0's parameters and buffers. With FSDP or HSDP the ranks first compare a
     digest of each tensor, and only the tensors that differ from rank 0's are broadcast (nothing when all ranks

@@ -176,15 +176,25 @@ def _write_safetensors(
     writer.close()
 
 
+def _shard_glob(ckpt_prefix: str, ckpt_suffix: str, default_out: str, save_path: str) -> tuple[str, str]:
+    """TorchAcc's (prefix, suffix) as a glob and the default output: a directory prefix globs inside it."""
+    if os.path.isdir(ckpt_prefix):
+        return os.path.join(ckpt_prefix, ckpt_suffix), save_path or os.path.join(ckpt_prefix, default_out)
+    return ckpt_prefix + ckpt_suffix, save_path or f"{ckpt_prefix}{default_out}"
+
+
 def consolidate_sharded_model_checkpoints(
     ckpt_prefix: str, ckpt_suffix: str = MODEL_PATTERN, save_path: str = "", save_model: bool = True
 ) -> dict[str, Any]:
-    """TorchAcc's consolidation: merge ``ckpt_prefix + ckpt_suffix`` shard files into one state dict.
+    """TorchAcc's consolidation: merge the shard files ``ckpt_prefix`` + ``ckpt_suffix`` into one state dict.
 
     Args:
-        ckpt_prefix: the directory (with a trailing ``/``) or path prefix of the shard files.
-        ckpt_suffix: the glob after the prefix.
-        save_path: where to write ``{"model": full_state_dict}``; default ``ckpt_prefix + "consolidated.pth"``.
+        ckpt_prefix: the directory of the shard files (the glob runs inside it, with or without a trailing
+            ``/``), or a path prefix such as ``"ckpt/run1-"``.
+        ckpt_suffix: the glob after the prefix, e.g. ``"rank-*-of-*.pth"`` for files written by
+            ``torchacc.save(ckpt, directory, master_only=False)``.
+        save_path: where to write ``{"model": full_state_dict}``; default ``consolidated.pth`` in the directory
+            (``ckpt_prefix + "consolidated.pth"`` for a path prefix, as torch_xla names it).
         save_model: write the file (False only returns it).
 
     Returns:
@@ -192,14 +202,14 @@ def consolidate_sharded_model_checkpoints(
         un-accelerated model with ``strict=True``, and into an accelerated one with ``load_state_dict``.
 
     Raises:
-        ValueError: a missing, duplicate or foreign rank, mixed world sizes or runs, a shape or dtype mismatch, a
-            damaged file or ``save_path`` among the shards; the message names the file and nothing is written.
+        ValueError: a missing, duplicate or foreign rank, mixed world sizes, a shape or dtype mismatch, a
+            truncated or corrupt file; the message names the file and nothing is written.
 
     Example:
-        >>> torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(ckpt_prefix="ckpt/")
+        >>> torchacc.dist.fsdp.consolidate_sharded_model_checkpoints("ckpt", "rank-*-of-*.pth")  # ckpt/consolidated.pth
     """
-    out = (save_path or f"{ckpt_prefix}consolidated.pth") if save_model else None
-    return consolidate(ckpt_prefix + ckpt_suffix, section="model", out=out)
+    pattern, out = _shard_glob(ckpt_prefix, ckpt_suffix, "consolidated.pth", save_path)
+    return consolidate(pattern, section="model", out=out if save_model else None)
 
 
 def consolidate_sharded_optimizer_checkpoints(
@@ -211,8 +221,8 @@ def consolidate_sharded_optimizer_checkpoints(
     ``torchacc.load_optim_state_dict`` loads at any world size. Otherwise as
     :func:`consolidate_sharded_model_checkpoints` (default output ``consolidated_optim.pth``).
     """
-    out = (save_path or f"{ckpt_prefix}consolidated_optim.pth") if save_optimizer else None
-    return consolidate(ckpt_prefix + ckpt_suffix, section="optimizer", out=out)
+    pattern, out = _shard_glob(ckpt_prefix, ckpt_suffix, "consolidated_optim.pth", save_path)
+    return consolidate(pattern, section="optimizer", out=out if save_optimizer else None)
 
 
 def _resharded_metadata(shards: ShardSet, rank: int, num_shards: int) -> dict[str, Any]:

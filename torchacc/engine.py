@@ -24,7 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from ._buffers import broadcast_changed_buffers
 from ._config_io import fmt
+from ._forward import route_forward_through_call
 from ._logging import warn_once
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config
@@ -272,6 +274,8 @@ def shard_model(
                 backward_prefetch=config.dist.fsdp.backward_prefetch,
             )
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        if config.dist.fsdp.broadcast_buffers:
+            broadcast_changed_buffers(model)
         for name, param in model.named_parameters():
             param._torchacc_name = name  # names the parameter in optimizer-state errors
         watch_optimizers()
@@ -280,9 +284,15 @@ def shard_model(
             model.to(device)
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
         if world_size > 1:
-            wrap_ddp(model, sync_module_states=config.dist.fsdp.sync_module_states and init_from is None)
+            wrap_ddp(
+                model,
+                sync_module_states=config.dist.fsdp.sync_module_states and init_from is None,
+                broadcast_buffers=config.dist.fsdp.broadcast_buffers,
+            )
     if dtype is not None:
         install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
+    if mesh is not None or world_size > 1:
+        route_forward_through_call(model)
     if not hasattr(type(model), "device"):
         model.device = device
     # Checkpoint helpers on the instance: TorchAcc scripts call model.get_shard_metadata(), and

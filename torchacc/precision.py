@@ -58,7 +58,7 @@ class _PrecisionForward:
         self.forward = forward
         self.device_type = device_type
         self.autocast_dtype = autocast_dtype
-        functools.update_wrapper(self, forward)
+        functools.update_wrapper(self, forward, updated=())  # not __dict__: it would bring a wrapped wrapper's forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast_dtype is None:

@@ -31,7 +31,7 @@ from ._safe_load import refusal
 from ._tree import map_tensors
 from ._zip import record_table
 from .dist import env
-from .dist.collectives import all_gather_object, raise_on_any_rank
+from .dist.collectives import all_gather_object, meet, raise_on_any_rank
 
 __all__ = ["save", "load", "verify_file", "atomic_write", "atomic_write_text", "publish", "temp_path", "fsync_dir"]
 __all__ += ["remove_stale_temps"]
@@ -50,14 +50,17 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
     Args:
         obj: a tensor or a nest of dicts (``defaultdict`` too), lists, tuples and dataclasses holding tensors
             and plain values, e.g. ``optimizer.state_dict()``.
-        path: the file to write, atomically (see [Note: atomic files]).
+        path: the file to write, atomically (see [Note: atomic files]). With ``master_only=False`` it may be
+            a directory (existing, or ending in ``/``): each rank then writes ``path/rank-R-of-W.pth``.
         master_only: only the master writes (see ``global_master``); False: every rank writes.
         global_master: with ``master_only``, only global rank 0 writes (True) or the first rank of
             every node (False, TorchAcc's default, for node-local disks).
 
     Raises:
-        ValueError: with ``master_only=False``, several ranks were given the same ``path`` (one rank's data
+        ValueError: with ``master_only=False``, several ranks were given the same file (one rank's data
             would be lost); nothing is written.
+        RuntimeError: some rank did not call it within ``torchacc.dist.collectives.MEET_TIMEOUT`` seconds (a
+            save under ``if rank == 0:``); the message names the ranks.
         RuntimeError: some rank could not write (a missing or read-only directory, a full disk); the
             message names the rank, the path and how to fix it. ``path`` keeps its previous content.
 
@@ -66,7 +69,10 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
         ...               f"ckpt/rank-{rank}-of-{world}-model.pth", master_only=False)
     """
     path = os.fspath(path)
+    if not master_only and (os.path.isdir(path) or path.endswith(("/", os.sep))):
+        path = os.path.join(path, f"rank-{env.rank()}-of-{env.world_size()}.pth")  # TorchAcc's directory form
     what = f"torchacc.save({path!r})"
+    meet("torchacc.save", hint=_COLLECTIVE_HINT)
     if not master_only:
         _refuse_shared_path(path, what)
     writes = not master_only or env.is_master_ordinal(local=not global_master)
@@ -86,6 +92,13 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
         except Exception as exc:  # reported to every rank below instead of hanging them
             error = describe_os_error(exc, path)
     raise_on_any_rank(error, what=what)
+
+
+_COLLECTIVE_HINT = (
+    "call torchacc.save on every rank, not under `if rank == 0:`: it gathers sharded tensors from every rank "
+    "and writes on the master rank by itself (master_only=True); if the ranks reach the save far apart on "
+    "purpose, call torchacc.dist.barrier() first"
+)
 
 
 def _refuse_shared_path(path: str, what: str) -> None:

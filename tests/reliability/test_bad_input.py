@@ -752,6 +752,13 @@ CASES = [
             torchacc.load(ctx.tmp / "code.pth"),
         ),
     ),
+    Case(
+        "fsdp-size-two-without-torchrun",
+        ValueError,
+        r"dist.fsdp.size=2 asks for 2 processes, but this one was not started by torchrun and runs alone; launch it "
+        r"with `torchrun --nproc_per_node=2 .*`, or set dist.fsdp.size=1",
+        lambda ctx: torchacc.accelerate(TinyNet(), config=config(dist__fsdp__size=2)),
+    ),
 ]
 
 

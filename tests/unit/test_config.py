@@ -347,7 +347,7 @@ def test_construction_type_checks(build, message):
         (
             {"dist": {"fsdp": {"sise": 2}}},
             "dist.fsdp.sise: unknown key; valid keys under dist.fsdp: size, wrap_layer_cls, reshard_after_forward, "
-            "forward_prefetch, backward_prefetch, reduce_dtype, sync_module_states, init_from; did you mean "
+            "forward_prefetch, backward_prefetch, reduce_dtype, broadcast_buffers, sync_module_states, init_from; did you mean "
             "dist.fsdp.size?",
         ),
         ({"dist": {"fsdp": {"size": "two"}}}, "dist.fsdp.size: expected int, got 'two'"),
@@ -447,6 +447,7 @@ def test_field_tree_snapshot():
         "dist.fsdp.forward_prefetch: int = 0",
         "dist.fsdp.backward_prefetch: int = 0",
         "dist.fsdp.reduce_dtype: str = 'float32'",
+        "dist.fsdp.broadcast_buffers: bool = True",
         "dist.fsdp.sync_module_states: bool = True",
         "dist.fsdp.init_from: str | None = None",
         "dist.topology: list[str] = ['dp', 'fsdp']",

@@ -5,6 +5,7 @@ script runs under ``python`` and under ``torchrun``.
 """
 
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "sync_tensors",
     "all_gather_object",
     "raise_on_any_rank",
+    "meet",
 ]
 
 T = TypeVar("T")
@@ -212,6 +214,40 @@ def sync_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, bucket_bytes:
     stale = [t for t, differ in zip(tensors, differs, strict=True) if differ]
     broadcast_tensors(stale, src=src, bucket_bytes=bucket_bytes)
     return len(stale)
+
+
+MEET_TIMEOUT = 300.0  # seconds a rank waits in meet() for the others before it raises
+_num_meetings: dict[str, int] = {}
+
+
+def meet(what: str, *, hint: str) -> None:
+    """Wait until every rank reaches this call (the n-th of its name); raise if some do not within ``MEET_TIMEOUT``.
+
+    A collective that some ranks never reach (one called under ``if rank == 0:``) would wait out the
+    process-group timeout (30 minutes by default) and then fail with a message about the transport. This
+    meeting goes through the rendezvous store, so the ranks that arrived can name the ones that did not.
+
+    Args:
+        what: the operation, for the message and the store keys (the same on every rank).
+        hint: how to fix a missed meeting, appended to the message.
+
+    Raises:
+        RuntimeError: naming the ranks that did not arrive within ``MEET_TIMEOUT`` seconds.
+    """
+    if not _active():
+        return
+    count = _num_meetings[what] = _num_meetings.get(what, 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"torchacc/meet/{what}/{count}"
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store.set(f"{prefix}/{rank}", b"1")
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=MEET_TIMEOUT))
+    except (RuntimeError, dist.DistError):
+        missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+        raise RuntimeError(
+            f"{what} is collective, but rank(s) {missing} did not reach it within {MEET_TIMEOUT:.0f} s; {hint}"
+        ) from None
 
 
 def all_gather_object(obj: T) -> list[T]:

@@ -179,12 +179,13 @@ def _set_prefetch(units: list[nn.Module], *, forward: int, backward: int) -> Non
             unit.set_modules_to_backward_prefetch(list(reversed(units[max(0, i - backward) : i])))
 
 
-def wrap_ddp(model: nn.Module, *, sync_module_states: bool = True) -> nn.Module:
+def wrap_ddp(model: nn.Module, *, sync_module_states: bool = True, broadcast_buffers: bool = True) -> nn.Module:
     """Replicate ``model`` across all ranks with DDP gradient all-reduce, keeping its parameter names.
 
     Args:
         model: the model, already on this rank's device.
         sync_module_states: broadcast rank 0's parameters and buffers first.
+        broadcast_buffers: broadcast rank 0's buffers before every forward (DDP's knob).
 
     Returns:
         ``model`` itself, with DDP's gradient hooks installed.
@@ -192,7 +193,7 @@ def wrap_ddp(model: nn.Module, *, sync_module_states: bool = True) -> nn.Module:
     # The composable replicate() is DDP without the wrapper class, so state_dict keys get no "module." prefix.
     from torch.distributed._composable import replicate
 
-    return replicate(model, init_sync=sync_module_states)
+    return replicate(model, init_sync=sync_module_states, broadcast_buffers=broadcast_buffers)
 
 
 def is_wrapped(model: nn.Module) -> bool:
