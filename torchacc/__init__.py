@@ -5,6 +5,7 @@ The public surface, by job:
 * configure: :class:`Config` and its sections (from code, a dict, YAML or the command line);
 * accelerate: :func:`accelerate` shards a model and splits a dataloader in one call;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
+* inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
 * checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
   :func:`load_optim_state_dict` (keyed by names), :func:`consolidate` and :func:`reshard_checkpoint`
   (offline, streaming);
@@ -21,6 +22,7 @@ from .consolidate import consolidate, reshard_checkpoint
 from .grad import clip_grad_norm_
 from .hf import export_hf
 from .materialize import init_empty_weights
+from .memory_report import MemoryReport, memory_report
 from .optim_state import load_optim_state_dict, optim_state_dict
 from .precision import GradScaler
 from .serialization import load, save
@@ -38,6 +40,8 @@ __all__ = [
     "DataLoaderConfig",
     "accelerate",
     "init_empty_weights",
+    "memory_report",
+    "MemoryReport",
     "GradScaler",
     "clip_grad_norm_",
     "FSDP2Strategy",

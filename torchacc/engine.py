@@ -35,6 +35,7 @@ from .dist.collectives import all_gather_object, broadcast, sync_tensors
 from .dist.fsdp import check_units, is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
 from .dist.mesh import build_mesh
 from .materialize import check_materializable, has_meta_params, load_weights, materialize
+from .memory_report import log_summary
 from .optim_state import attach_load_hook, shard_like, watch_optimizers
 from .precision import compute_dtype, install_precision
 from .sharded_state import get_shard_metadata, load_state_dict
@@ -302,6 +303,7 @@ def shard_model(
     dp_size = config.resolved_dp_size(world_size)
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
     model._torchacc = AcceleratedState(device, mesh, dp_size, config.dist.fsdp.size, dtype, run_id)
+    log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
     return model
 
 

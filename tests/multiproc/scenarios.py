@@ -6,6 +6,7 @@ the ranks' results with a single-process reference computed in the pytest proces
 
 import itertools
 
+import report_scenarios
 import torch
 import torch.distributed as dist
 from _models import TinyNet, tiny_gpt2, token_dataset
@@ -219,6 +220,7 @@ def fsdp_suite() -> dict:
         "collectives": collectives(),
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),
+        "memory_report": report_scenarios.fsdp_reports(),
     }
 
 
@@ -229,6 +231,7 @@ def hsdp_suite() -> dict:
         "hsdp_strided": train_gpt2(gpt2_config(fsdp=2, dp=2, dist__topology=["fsdp", "dp"]), num_steps=2),
         "meta_fsdp4": meta_init_state(fsdp=4),
         "meta_hsdp": meta_init_state(fsdp=2, dp=2),
+        "memory_report": report_scenarios.hsdp_reports(),
     }
 
 

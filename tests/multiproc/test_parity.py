@@ -1,28 +1,14 @@
 """Sharded training must match one process on the same global batches (the parity oracle).
 
-One launch per world size runs every scenario (see tests/multiproc/scenarios.py); the reference runs
-here, in the pytest process, on the concatenation of the ranks' batches.
+One launch per world size runs every scenario (see tests/multiproc/scenarios.py; the fixtures
+``two_ranks`` and ``four_ranks`` are in conftest.py); the reference runs here, in the pytest process,
+on the concatenation of the ranks' batches.
 """
-
-from pathlib import Path
 
 import pytest
 import torch
-from _launch import launch
 from _parity import assert_parity
 from torch.distributed.tensor import Replicate, Shard
-
-SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return launch(f"{SCENARIOS}:fsdp_suite", 2, tmp_path_factory.mktemp("two_ranks"))
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return launch(f"{SCENARIOS}:hsdp_suite", 4, tmp_path_factory.mktemp("four_ranks"))
 
 
 @pytest.mark.parametrize("scenario", ["fsdp", "fsdp_gc", "fsdp_opt_first", "dp"])
