@@ -3,14 +3,24 @@
 # the shards offline with the `torchacc consolidate` CLI, export a Hugging Face directory, then reload
 # it with transformers and generate a few tokens.
 #
+# It calls torchrun, torchacc and python, so activate torchacc's environment first (once per shell;
+# `make setup` or `make demo` creates it):
+#
+#   . .venv/bin/activate
 #   bash examples/consolidate.sh [OUT_DIR]           # OUT_DIR defaults to a new temporary directory
 #   STEPS=4 bash examples/consolidate.sh /tmp/run    # quick mode, as the tests run it
 #   OVERRIDES="memory.gc=true" bash examples/consolidate.sh   # more KEY=VALUE config overrides
 #
-# Run it from an activated venv (`source .venv/bin/activate`), so that torchrun, torchacc and python
-# are the venv's. Nothing needs a GPU or the network.
+# Nothing needs a GPU or the network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+for command in torchrun torchacc; do
+    if ! command -v "$command" > /dev/null; then
+        echo "consolidate.sh: '$command' is not on PATH; activate torchacc's environment first: . .venv/bin/activate" >&2
+        exit 1
+    fi
+done
 
 OUT=${1:-$(mktemp -d)}
 STEPS=${STEPS:-40}

@@ -52,9 +52,15 @@ def main() -> None:
     strategy.config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
     strategy.setup_environment()
 
-    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    # The counting sequences have no special tokens; GPT-2's default bos/eos (50256) lie outside this vocabulary.
+    config = GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+    )
     with strategy.init_model_context():  # parameters on the meta device: no rank holds the full model
         model = GPT2LMHeadModel(config)
+    # transformers picks a model's loss by its class name, and "GPT2LMHeadModel" names none: say which one,
+    # or the first forward with labels warns `loss_type=None` (and falls back to this same loss).
+    model.loss_type = "ForCausalLM"
     model = strategy.parallelize(model)
     optimizer = strategy.create_optimizer(model, lr=3e-3, weight_decay=0.01)
     train_loader = strategy.process_dataloader(

@@ -1,5 +1,6 @@
 """Train GPT-2 on a local text file: TorchAcc's GPT-2 example, plus the two torchacc lines.
 
+    . .venv/bin/activate                                             # torchacc's environment (make setup)
     torchrun --nproc_per_node=2 examples/train_gpt2.py              # 2 ranks, FSDP
     python examples/train_gpt2.py --steps 20                         # one process works too
     torchrun --nproc_per_node=2 examples/train_gpt2.py --model_dir ./my-gpt2   # from_pretrained
@@ -20,7 +21,9 @@ import math
 import os
 from pathlib import Path
 
+import datasets
 import torch
+import transformers
 from datasets import load_dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tqdm import tqdm
@@ -41,7 +44,7 @@ def build_tokenizer(text_file: str) -> PreTrainedTokenizerFast:
 
 def build_dataset(text_file: str, tokenizer: PreTrainedTokenizerFast, block_size: int):
     raw = load_dataset("text", data_files={"train": text_file})["train"]
-    tokenized = raw.map(lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"])
+    tokenized = raw.map(lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"], desc="tokenize")
 
     def group_texts(batch):
         ids = [t for row in batch["input_ids"] for t in row + [tokenizer.eos_token_id]]
@@ -49,7 +52,7 @@ def build_dataset(text_file: str, tokenizer: PreTrainedTokenizerFast, block_size
         blocks = [ids[i : i + block_size] for i in range(0, n, block_size)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
-    lm = tokenized.map(group_texts, batched=True, remove_columns=tokenized.column_names)
+    lm = tokenized.map(group_texts, batched=True, remove_columns=tokenized.column_names, desc="group into blocks")
     lm.set_format("torch")
     return lm
 
@@ -69,6 +72,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. memory.gc=true")
     args = parser.parse_intermixed_args()
 
+    if torchacc.dist.rank() != 0:
+        # Every rank loads and maps the same text (and from_pretrained's the same weights): rank 0's progress
+        # bars say all there is to say. Only the bars: warnings still print on every rank.
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     tokenizer = build_tokenizer(args.text_file)
     if args.model_dir:
@@ -81,10 +89,16 @@ def main() -> None:
             n_embd=64,
             n_layer=2,
             n_head=4,
+            # GPT-2's default bos/eos (50256) lie outside this tokenizer's small vocabulary: use its own token.
+            # No pad_token_id: the blocks are packed, never padded (set to [EOS] it would make every forward
+            # warn that the input_ids hold padding and want an attention_mask).
             bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
         model = AutoModelForCausalLM.from_config(config)
+    # transformers picks a model's loss by its class name, and "GPT2LMHeadModel" names none: say which one,
+    # or the first forward with labels warns `loss_type=None` (and falls back to this same loss).
+    model.loss_type = "ForCausalLM"
     dataset = build_dataset(args.text_file, tokenizer, args.block_size)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, collate_fn=default_data_collator
@@ -106,7 +120,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.train()
     losses = []
-    bar = tqdm(total=args.steps, disable=not torchacc.dist.is_master_ordinal(local=False), desc="train")
+    bar = tqdm(total=args.steps, disable=torchacc.dist.rank() != 0, desc="train")  # rank 0 draws it for all
     step = 0
     for _epoch in range(math.ceil(args.steps / len(loader))):
         for batch in loader:

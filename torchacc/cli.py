@@ -69,10 +69,8 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     for section in sections:
         pattern = os.path.join(ckpt, args.pattern or (MODEL_PATTERN if section == "model" else OPTIM_PATTERN))
         if args.format == "hf":
-            from .hf import export_hf
-
             out = args.out or os.path.join(ckpt, "hf")
-            export_hf(ckpt, out, args.hf_config or ckpt, pattern=os.path.basename(pattern), verify=verify)
+            _export_hf(args, ckpt, out, pattern=os.path.basename(pattern), verify=verify)
         else:
             default = {"model": "consolidated.pth", "optimizer": "consolidated_optim.pth"}[section]
             if args.format == "safetensors":
@@ -92,13 +90,30 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     return written
 
 
+def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, verify: bool) -> None:
+    """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
+    from .hf import _SAVE_CONFIG_HINT, _config_problem, _require_transformers, export_hf
+
+    _require_transformers("--format hf")
+    if args.hf_config is None:
+        problem = _config_problem(ckpt, f"--ckpt-dir {ckpt!r} and no --hf-config was given")
+    else:
+        problem = _config_problem(args.hf_config, f"--hf-config {args.hf_config!r}")
+    if problem:
+        raise ValueError(
+            f"--format hf needs the model's config.json: {problem}; pass --hf-config PATH (a config.json or a "
+            f"directory holding one), {_SAVE_CONFIG_HINT}"
+        )
+    export_hf(ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0, or 1 after a one-line error on stderr)."""
     args = _parser().parse_args(argv)
     try:
         for path in _consolidate(args):
             print(path)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, OSError, ImportError) as exc:  # ImportError: an optional dependency (transformers)
         sys.stderr.write(f"torchacc: error: {' '.join(str(exc).split())}\n")
         return 1
     return 0

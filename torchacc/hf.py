@@ -107,6 +107,57 @@ def _groups(layout: Layout, limit: int) -> Iterator[list[str]]:
 
 _INDEX = "model.safetensors.index.json"
 
+# How a checkpoint gets the config.json that an export needs, for the errors that find none.
+_SAVE_CONFIG_HINT = (
+    "or save the config beside the shards when saving them (on rank 0: model.config.save_pretrained(ckpt_dir), "
+    "as examples/train_gpt2.py --save_dir does)"
+)
+
+
+def _require_transformers(what: str) -> Any:
+    """Import and return ``transformers``, which ``what`` (a function or a CLI flag) needs.
+
+    Raises:
+        ImportError: transformers cannot be imported; the message says to install ``torchacc[hf]``.
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"{what} needs transformers, which cannot be imported ({exc}); install it with: pip install 'torchacc[hf]'"
+        ) from exc
+    return transformers
+
+
+def _config_problem(path: str, given: str) -> str | None:
+    """Why the local ``path`` holds no model config, worded with ``given`` (how the caller named it), or None.
+
+    ``path`` must be a ``config.json`` file or a directory holding one. The file's content is left to
+    ``AutoConfig``, whose errors name it.
+    """
+    if os.path.isdir(path):
+        return None if os.path.isfile(os.path.join(path, "config.json")) else f"no config.json in {given}"
+    return None if os.path.exists(path) else f"{given} does not exist"
+
+
+def _load_config(config_or_model: Any, transformers: Any) -> Any:
+    config = getattr(config_or_model, "config", config_or_model)
+    if isinstance(config, transformers.PretrainedConfig):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise ValueError(
+            f"config_or_model must be a transformers config, a model or the path of a config.json (or of a "
+            f"directory holding one), got an object of type {type(config).__name__!r}"
+        )
+    path = os.fspath(config)
+    problem = _config_problem(path, f"config_or_model={path!r}")
+    if problem:
+        raise ValueError(
+            f"export_hf needs the model's config: {problem}; pass the model, its transformers config, or the path "
+            f"of a config.json (or of a directory holding one), {_SAVE_CONFIG_HINT}"
+        )
+    return transformers.AutoConfig.from_pretrained(path)
+
 
 def _weight_files(directory: str) -> set[str]:
     """The safetensors files of an export in ``directory``: model.safetensors and those its index names."""
@@ -150,8 +201,9 @@ def export_hf(
             hold other files (a tokenizer, logs, checkpoints): only the export's own files are replaced
             (``config.json``, the safetensors files and their index), and weight files of an earlier export
             that the new one does not rewrite are removed; nothing else is touched.
-        config_or_model: a ``transformers`` config, a model (its ``.config`` is used) or a path to a
-            config file or directory.
+        config_or_model: a ``transformers`` config, a model (its ``.config`` is used) or the local path of a
+            ``config.json`` or of a directory holding one (such as ``src``, when the config was saved beside the
+            shards with ``model.config.save_pretrained(ckpt_dir)``).
         max_shard_size: bytes, or a string such as ``"5GB"``; larger exports are split with an index file.
         pattern: the shard file glob inside a ``src`` directory.
         verify: check shard checksums first.
@@ -162,20 +214,19 @@ def export_hf(
         ``output_dir``.
 
     Raises:
-        ValueError: ``output_dir`` is not empty (without ``overwrite``), ``src`` is not recognised, or a
-            shard-set problem.
+        ValueError: ``output_dir`` is not empty (without ``overwrite``), ``config_or_model`` is a path that
+            does not exist or a directory without a ``config.json``, ``src`` is not recognised, or a shard-set
+            problem.
+        ImportError: transformers is not installed (``pip install 'torchacc[hf]'``).
 
     Example:
         >>> torchacc.export_hf("ckpt/", "gpt2-hf", model)  # then AutoModelForCausalLM.from_pretrained("gpt2-hf")
     """
-    from transformers import AutoConfig, PretrainedConfig
-
+    transformers = _require_transformers("torchacc.export_hf")
     output_dir = os.fspath(output_dir)
     if not overwrite and os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
         raise ValueError(f"output_dir {output_dir!r} exists and is not empty; choose a new directory or remove it")
-    config = getattr(config_or_model, "config", config_or_model)
-    if not isinstance(config, PretrainedConfig):
-        config = AutoConfig.from_pretrained(os.fspath(config))
+    config = _load_config(config_or_model, transformers)
     layout, read = _source(src, pattern, verify)
     groups = list(_groups(layout, _parse_size(max_shard_size)))
     staging = temp_path(output_dir)

@@ -68,3 +68,45 @@ def test_relative_links_resolve(page):
         if not path.exists() or missing_anchor:
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: broken links {broken}"
+
+
+_SHELL_LANGS = {"bash", "sh", "shell", "console"}
+# A command that runs only inside torchacc's environment: torchrun, torchacc or python with arguments,
+# after any VAR=value assignments. `.venv/bin/torchrun ...` names the environment itself and does not count.
+_ENV_COMMAND = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:torchrun|torchacc|python3?)\s+\S")
+
+
+def _first_env_command(text: str) -> tuple[int, str] | None:
+    """The line number and text of the first command that needs the environment: a line of a shell
+    block, or an inline code span outside code blocks (`make demo` runs `torchrun ...`)."""
+    fence = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if match := re.match(r"^\s*(`{3,})\s*([\w+-]*)", line):
+            if fence is None:
+                fence = (match.group(1), match.group(2).lower())
+            elif line.strip() == fence[0]:
+                fence = None
+            continue
+        if fence is not None:
+            candidates = [line.strip()] if fence[1] in _SHELL_LANGS else []
+        else:
+            candidates = re.findall(r"`([^`]+)`", line)
+        for command in candidates:
+            if _ENV_COMMAND.match(command):
+                return number, command
+    return None
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/index.md", "docs/launching.md"])
+def test_first_commands_say_how_to_enter_the_environment(name):
+    """`make setup`/`make demo` install into .venv; a page's first bare `torchrun`/`torchacc`/`python`
+    command only works once it is activated, so the page must say so before it."""
+    text = (ROOT / name).read_text(encoding="utf-8")
+    first = _first_env_command(text)
+    assert first is not None, f"{name}: no torchrun/torchacc/python command found; update this test"
+    number, command = first
+    before = "\n".join(text.splitlines()[: number - 1])
+    assert ".venv/bin/activate" in before, (
+        f"{name}:{number}: `{command}` needs torchacc's environment, but the page does not say "
+        "`. .venv/bin/activate` before it (or write `.venv/bin/torchrun ...`)"
+    )

@@ -1,5 +1,10 @@
-"""End-to-end: the GPT-2 example trains under torchrun (2 ranks, gloo) and as a plain process."""
+"""End-to-end: the examples run under torchrun (2 ranks, gloo) and as a plain process, without noise.
 
+Every run's output (stdout and stderr) is checked for the warnings a wrong model config causes and for
+progress bars drawn by more than one rank (see ``assert_quiet``).
+"""
+
+import collections
 import os
 import re
 import subprocess
@@ -9,13 +14,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt2.py"
 
+# transformers' warnings for a model config that does not fit the model or the data: GPT2Config's default
+# bos/eos (50256) outside a small vocabulary, a model whose loss transformers cannot tell from its class name,
+# and a pad_token_id that occurs in unpadded input.
+CONFIG_WARNINGS = (
+    "must be `None` or an integer within the vocabulary",
+    "loss_type=None",
+    "recommend passing in an `attention_mask`",
+)
+# The first draw of a tqdm bar: "desc:   0%|   | 0/N [00:00<?, ?it/s]", or "desc: 0 examples [00:00, ? examples/s]"
+# for a bar without a total. Each bar draws it once when it starts; a disabled bar draws nothing.
+BAR_START = re.compile(
+    r"(?:^|[\r\n])([^\r\n|:]+): +(?:0%\|[^|\r\n]*\| 0/\d+ \[00:00<\?, \?[\w ]*/s\]|0 [\w ]+ \[00:00, \?[\w ]*/s\])"
+)
 
-def run(cmd: list[str], timeout: float = 300) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+def assert_quiet(output: str) -> None:
+    """No config warnings, and every progress bar started at most once: rank 0's, not one per rank."""
+    warnings = [line for line in output.splitlines() if any(w in line for w in CONFIG_WARNINGS)]
+    assert not warnings, "\n".join(warnings)
+    repeated = {desc: n for desc, n in collections.Counter(BAR_START.findall(output)).items() if n > 1}
+    assert not repeated, f"progress bars started more than once (one per rank?): {repeated}\n{output[-3000:]}"
+
+
+def run(cmd: list[str], timeout: float = 300, **env_vars: str) -> str:
+    """Run ``cmd`` from the repository root, offline; check it succeeds quietly (``assert_quiet``); return stdout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env_vars}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
+    assert_quiet(proc.stdout + proc.stderr)
     return proc.stdout
 
 
@@ -25,11 +54,14 @@ def final_losses(stdout: str) -> tuple[float, float, int]:
     return float(match.group(1)), float(match.group(2)), int(match.group(3))
 
 
-def test_gpt2_example_trains_under_torchrun():
+def test_gpt2_example_trains_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE)]
-    first, last, ranks = final_losses(run(cmd + ["--steps", "30"]))
+    # A cold datasets cache, so that both ranks run the dataset's map() (a warm cache draws no bars at all).
+    out = run(cmd + ["--steps", "30"], HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"))
+    first, last, ranks = final_losses(out)
     assert ranks == 2
     assert last < 0.6 * first
+    assert out.count(" after 30 steps on ") == 1  # the summary line: rank 0's only
 
 
 def test_gpt2_example_runs_as_one_process_without_torchrun():
@@ -53,6 +85,7 @@ def test_strategy_loop_trains_rotates_resumes_and_exports(tmp_path):
     ]
     first = run(cmd)
     assert "starting from scratch" in first and "done at step 3" in first
+    assert [line.split()[1] for line in first.splitlines() if line.startswith("step ")] == ["1", "2", "3"]
     assert "checkpoints: ['global_step2', 'global_step3', 'latest']" in first
     second = run(cmd)
     assert "resumed from global_step3" in second and "done at step 6" in second
@@ -85,11 +118,13 @@ def test_consolidate_sh_trains_from_yaml_consolidates_exports_and_generates(tmp_
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "STEPS": "4",
         "OVERRIDES": "memory.gc=true dataloader.seed=3",
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"),
     }
     cmd = ["bash", str(ROOT / "examples" / "consolidate.sh"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{out[-3000:]}\n{proc.stderr[-6000:]}"
+    assert_quiet(out + proc.stderr)
     assert "gc: true" in out and "seed: 3" in out and "- GPT2Block" in out  # the YAML, then the overrides
     assert "after 4 steps on 2 rank(s)" in out
     shards = tmp_path / "shards"

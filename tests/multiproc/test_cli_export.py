@@ -132,3 +132,60 @@ def test_console_script_reports_a_broken_shard_set_in_one_line(tmp_path):
     script = Path(sys.executable).with_name("torchacc")
     proc = subprocess.run([str(script), "consolidate", "--ckpt-dir", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 1 and "no checkpoint files match" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+# ---- --format hf without what it needs: one line that says how to fix it --------------------------------
+
+
+def one_line_error(capsys) -> str:
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and stderr.startswith("torchacc: error: "), stderr
+    return stderr
+
+
+def test_cli_hf_without_a_config_names_hf_config_and_save_pretrained(saved, tmp_path, capsys):
+    out, _ = saved
+    shards = out / "shards"  # the model's shards, without a config.json beside them
+    assert not (shards / "config.json").exists()
+    args = ["consolidate", "--ckpt-dir", str(shards), "--format", "hf", "--out", str(tmp_path / "hf"), "--quiet"]
+    assert main(args) == 1
+    stderr = one_line_error(capsys)
+    assert f"no config.json in --ckpt-dir {str(shards)!r}" in stderr
+    assert "--hf-config" in stderr and "model.config.save_pretrained(" in stderr and "--save_dir" in stderr
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("given", ["missing", "empty-dir"])
+def test_cli_hf_config_that_holds_no_config_is_named(saved, tmp_path, capsys, given):
+    out, _ = saved
+    config = tmp_path / given
+    if given == "empty-dir":
+        config.mkdir()
+    args = ["consolidate", "--ckpt-dir", str(out / "shards"), "--format", "hf", "--hf-config", str(config)]
+    assert main([*args, "--out", str(tmp_path / "hf"), "--quiet"]) == 1
+    stderr = one_line_error(capsys)
+    assert repr(str(config)) in stderr and "config.json" in stderr and "save_pretrained" in stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_cli_hf_without_transformers_says_what_to_install(saved, tmp_path, capsys, monkeypatch):
+    out, _ = saved
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    args = ["consolidate", "--ckpt-dir", str(out / "shards"), "--format", "hf", "--out", str(tmp_path / "hf")]
+    assert main(args) == 1
+    stderr = one_line_error(capsys)
+    assert "--format hf needs transformers" in stderr and "pip install 'torchacc[hf]'" in stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_without_a_config_or_transformers_raises_with_the_fix(saved, tmp_path, monkeypatch):
+    out, _ = saved
+    shards = out / "shards"
+    with pytest.raises(ValueError, match=r"no config\.json in .*model\.config\.save_pretrained\("):
+        torchacc.export_hf(shards, tmp_path / "hf", shards)
+    with pytest.raises(ValueError, match=r"config_or_model='[^']*missing' does not exist"):
+        torchacc.export_hf(shards, tmp_path / "hf", tmp_path / "missing")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"export_hf needs transformers.*pip install 'torchacc\[hf\]'"):
+        torchacc.export_hf(shards, tmp_path / "hf", shards)
+    assert not (tmp_path / "hf").exists()
