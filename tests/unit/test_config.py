@@ -347,8 +347,8 @@ def test_construction_type_checks(build, message):
         (
             {"dist": {"fsdp": {"sise": 2}}},
             "dist.fsdp.sise: unknown key; valid keys under dist.fsdp: size, wrap_layer_cls, reshard_after_forward, "
-            "forward_prefetch, backward_prefetch, reduce_dtype, broadcast_buffers, sync_module_states, init_from; did you mean "
-            "dist.fsdp.size?",
+            "forward_prefetch, backward_prefetch, reduce_dtype, broadcast_buffers, sync_module_states, init_from; "
+            "did you mean dist.fsdp.size?",
         ),
         ({"dist": {"fsdp": {"size": "two"}}}, "dist.fsdp.size: expected int, got 'two'"),
         ({"compute": 3}, "compute: expected a mapping with keys bf16, fp16, compile, got 3"),
