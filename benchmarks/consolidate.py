@@ -99,7 +99,7 @@ def write_checkpoint(root: str, size: tuple[int, int, int, int]) -> dict[str, An
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchacc.sharded_state import FORMAT, local_slice
+    from torchacc.checkpoint.state import FORMAT, local_slice
 
     paths = _paths(root)
     os.makedirs(paths["shard_dir"])
@@ -169,7 +169,7 @@ def child(variant: str, root: str) -> None:
     # import outside the timed window, and only what the variant needs
     if variant.startswith("torchacc"):
         import torchacc
-        import torchacc.dist.fsdp
+        import torchacc.parallel.fsdp
     elif variant == "dcp_to_torch_save":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     elif variant == "load-everything":

@@ -58,8 +58,8 @@ def shard(contender: str, model: Any, timings: dict[str, float]) -> Any:
     import torch.distributed as dist
 
     import torchacc
-    import torchacc.engine
-    from torchacc.dist.collectives import broadcast_tensors
+    import torchacc.parallel.engine
+    from torchacc.distributed.collectives import broadcast_tensors
 
     if contender == "FSDP2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -77,7 +77,7 @@ def shard(contender: str, model: Any, timings: dict[str, float]) -> Any:
         broadcast_tensors(tensors, src=src)
         return len(tensors)
 
-    sync = full_broadcast if contender == "torchacc full broadcast" else torchacc.engine.sync_tensors
+    sync = full_broadcast if contender == "torchacc full broadcast" else torchacc.parallel.engine.sync_tensors
 
     def timed_sync(tensors: Any, **kwargs: Any) -> int:
         start = time.perf_counter()
@@ -89,11 +89,11 @@ def shard(contender: str, model: Any, timings: dict[str, float]) -> Any:
     config.dist.fsdp.size = dist.get_world_size()
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
     config.dist.fsdp.sync_module_states = contender != "torchacc no sync"
-    real_sync, torchacc.engine.sync_tensors = torchacc.engine.sync_tensors, timed_sync
+    real_sync, torchacc.parallel.engine.sync_tensors = torchacc.parallel.engine.sync_tensors, timed_sync
     try:
         return torchacc.accelerate(model, config=config)
     finally:
-        torchacc.engine.sync_tensors = real_sync
+        torchacc.parallel.engine.sync_tensors = real_sync
 
 
 def measure(contender: str, pristine: Any) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def measure(contender: str, pristine: Any) -> dict[str, Any]:
 
 def digest_speed(model: Any, repeats: int) -> dict[str, float]:
     """Seconds to digest every parameter once, and to ``torch.sum`` them (a read of the same bytes): best of N."""
-    from torchacc.dist._digest import tensor_digest
+    from torchacc.distributed._digest import tensor_digest
 
     params = [p.detach() for p in model.parameters()]
     best = {"digest_s": float("inf"), "sum_s": float("inf")}

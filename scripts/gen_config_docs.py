@@ -18,8 +18,8 @@ import typing
 from pathlib import Path
 
 import torchacc
-from torchacc._config_io import field_types, fmt
 from torchacc.config import field_docs
+from torchacc.config._io import field_types, fmt
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "config.md"

@@ -15,17 +15,17 @@ Importing torchacc changes nothing in torch and sets no environment variables.
 """
 
 from . import dist
-from .accelerate import accelerate
-from .checkpoint import latest_checkpoint, load_checkpoint, resume_latest, save_checkpoint
+from .checkpoint.dcp import latest_checkpoint, load_checkpoint, resume_latest, save_checkpoint
+from .checkpoint.files import load, save
+from .checkpoint.offline.consolidate import consolidate, reshard_checkpoint
+from .checkpoint.offline.hf_export import export_hf
+from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig
-from .consolidate import consolidate, reshard_checkpoint
-from .grad import clip_grad_norm_
-from .hf import export_hf
-from .materialize import init_empty_weights
-from .memory_report import MemoryReport, memory_report
-from .optim_state import load_optim_state_dict, optim_state_dict
-from .precision import GradScaler
-from .serialization import load, save
+from .parallel.accelerate import accelerate
+from .parallel.clip_grad import clip_grad_norm_
+from .parallel.memory_report import MemoryReport, memory_report
+from .parallel.meta_init import init_empty_weights
+from .parallel.precision import GradScaler
 from .strategy import FSDP2Strategy
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, reshard_checkpoint
+from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, reshard_checkpoint
 
 __all__ = ["main"]
 
@@ -92,7 +92,7 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
 def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, verify: bool) -> None:
     """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
-    from .hf import _SAVE_CONFIG_HINT, _config_problem, _require_transformers, export_hf
+    from .checkpoint.offline.hf_export import _SAVE_CONFIG_HINT, _config_problem, _require_transformers, export_hf
 
     _require_transformers("--format hf")
     if args.hf_config is None:

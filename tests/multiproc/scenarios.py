@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import torchacc
-import torchacc.engine
-from torchacc.dist.collectives import sync_tensors
+import torchacc.parallel.engine
+from torchacc.distributed.collectives import sync_tensors
 
 NUM_STEPS = 5
 LR = 1e-3
@@ -285,19 +285,19 @@ def sync_states() -> dict:
     finally:
         dist.broadcast = real_broadcast
     counts: list[int] = []
-    real_sync = torchacc.engine.sync_tensors
+    real_sync = torchacc.parallel.engine.sync_tensors
 
     def counting_sync(tensors, **kwargs):
         tensors = list(tensors)
         counts.append((real_sync(tensors, **kwargs), len(tensors)))
         return counts[-1][0]
 
-    torchacc.engine.sync_tensors = counting_sync
+    torchacc.parallel.engine.sync_tensors = counting_sync
     try:
         for seed in (0, rank):
             torchacc.accelerate(tiny_gpt2(seed=seed), config=gpt2_config(fsdp=2))
     finally:
-        torchacc.engine.sync_tensors = real_sync
+        torchacc.parallel.engine.sync_tensors = real_sync
     return {
         "num_agreeing": num_agreeing,
         "num_mixed": num_mixed,

@@ -14,7 +14,7 @@ from scenarios import full_state, gpt2_config
 from torch.utils.data import DataLoader
 
 import torchacc
-import torchacc.dist.collectives
+import torchacc.distributed.collectives
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "docs"))

@@ -118,7 +118,7 @@ def fp16_scaling() -> dict:
             batch = next(batches)
             loss = strategy.training_step({"input_ids": batch["input_ids"], "labels": batch["labels"]}, i)
             strategy.backward(loss, model, optimizer)
-        scaled_norm = torchacc.grad.grad_norm(model.parameters())
+        scaled_norm = torchacc.parallel.clip_grad.grad_norm(model.parameters())
         if step == 1 and torchacc.dist.rank() == 1:
             next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
         before, scale, lr_steps = full_state(model), strategy.scaler.get_scale(), scheduler.last_epoch

@@ -15,8 +15,8 @@ from _launch import launch
 from _models import tiny_gpt2
 
 import torchacc
-from torchacc.serialization import verify_file
-from torchacc.shards import ShardSet
+from torchacc.checkpoint.files import verify_file
+from torchacc.checkpoint.offline.shard_set import ShardSet
 
 SCENARIOS = str(Path(__file__).with_name("ckpt_scenarios.py"))
 
@@ -235,7 +235,7 @@ def features(saved):
 def test_frozen_buffers_dtypes_and_wrapper_prefixes_consolidate(features):
     from _models import TinyNet
 
-    from torchacc.shards import canonical_name
+    from torchacc.checkpoint.offline.shard_set import canonical_name
 
     directory, result = features
     full = torchacc.dist.fsdp.consolidate_sharded_model_checkpoints(ckpt_prefix=f"{directory}/", save_model=False)
@@ -249,7 +249,7 @@ def test_frozen_buffers_dtypes_and_wrapper_prefixes_consolidate(features):
 
 
 def test_param_groups_and_parameters_without_state_consolidate(features):
-    from torchacc.shards import canonical_name
+    from torchacc.checkpoint.offline.shard_set import canonical_name
 
     directory, result = features
     full = torchacc.dist.fsdp.consolidate_sharded_optimizer_checkpoints(

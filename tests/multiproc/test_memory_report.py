@@ -13,7 +13,7 @@ Shard(0) splits a dim of n rows like ``torch.chunk(n, 2)``: ceil(n/2) rows on ra
   per parameter (14), held whole by every rank: full 2 * 6401 + 14 = 12816, rank 0 6432, rank 1 6398.
 """
 
-from torchacc.memory_report import Footprint
+from torchacc.parallel.memory_report import Footprint
 
 FULL_PARAMS = (6401, 25604)
 FULL_STATE = (12816, 51264)

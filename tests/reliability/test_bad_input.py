@@ -25,11 +25,11 @@ from torch.utils.data import (
 )
 
 import torchacc
+from torchacc.checkpoint.state import FORMAT
 from torchacc.cli import main
 from torchacc.config import ComputeConfig
 from torchacc.data import shard_dataloader
 from torchacc.dist import env
-from torchacc.sharded_state import FORMAT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -14,9 +14,9 @@ from _faults import disk_full, inject, raising
 from _models import TinyNet
 
 import torchacc
-import torchacc._checkpoint_dir
-import torchacc._checksums
-from torchacc.serialization import atomic_write
+import torchacc.checkpoint._checksums
+import torchacc.checkpoint._dir
+from torchacc.checkpoint.files import atomic_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -86,7 +86,7 @@ def test_save_checkpoint_fails_cleanly_at_every_stage(checkpointed, stage, monke
         inject(dcp_fs.FileSystemWriter, "finish", raising(lambda: disk_full(staging / ".metadata.tmp")), patch=patch)
     else:
         full = raising(lambda: disk_full(staging / "checksums.json"))
-        inject(torchacc._checksums, "atomic_write_text", full, patch=patch)
+        inject(torchacc.checkpoint._checksums, "atomic_write_text", full, patch=patch)
     with pytest.raises(
         RuntimeError,
         match=rf"save_checkpoint\('{directory}'\) failed: .*no space left on the "
@@ -108,7 +108,7 @@ def test_disk_full_while_moving_latest_names_the_pointer(checkpointed, monkeypat
         raise disk_full()
 
     monkeypatch.setattr(
-        torchacc._checkpoint_dir, "atomic_write_text", lambda path, text: atomic_write(path, partial_then_full)
+        torchacc.checkpoint._dir, "atomic_write_text", lambda path, text: atomic_write(path, partial_then_full)
     )
     with pytest.raises(
         RuntimeError,

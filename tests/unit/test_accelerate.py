@@ -9,7 +9,7 @@ from _models import Block, TinyNet, tiny_gpt2, token_dataset
 from torch.utils.data import DataLoader, IterableDataset
 
 import torchacc
-from torchacc.activation_checkpoint import apply_activation_checkpointing
+from torchacc.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
 def fsdp_config(size: int = 1, classes=("Block",)) -> torchacc.Config:
@@ -143,7 +143,7 @@ class TinyNetWithLoss(TinyNet):
 def test_bf16_autocasts_without_fsdp_and_returns_the_loss_in_float32(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torchacc._logging, "_seen", set())
+    monkeypatch.setattr(torchacc._utils.logging, "_seen", set())
     config = torchacc.Config()
     config.compute.bf16 = True
     with pytest.warns(UserWarning, match="compute.bf16=True on a CPU without native bf16"):
@@ -208,7 +208,7 @@ def test_meta_gpt2_gets_the_hf_init_distribution():
 
 
 def test_cpu_offload_is_ignored_with_a_warning_on_cpu(monkeypatch):
-    monkeypatch.setattr(torchacc._logging, "_seen", set())
+    monkeypatch.setattr(torchacc._utils.logging, "_seen", set())
     config = torchacc.Config()
     config.memory.offload_params = True
     with pytest.warns(UserWarning, match="memory.offload_params=True is ignored on a CPU run"):
@@ -230,7 +230,7 @@ def test_compile_keeps_keys_and_hooks_and_needs_wrap_classes():
 
 def test_compile_turns_off_the_hf_kv_cache_with_a_warning(monkeypatch):
     """With use_cache=True each compiled GPT-2 block recompiles, and past the recompile limit runs eager."""
-    monkeypatch.setattr(torchacc._logging, "_seen", set())
+    monkeypatch.setattr(torchacc._utils.logging, "_seen", set())
     monkeypatch.setattr(torch, "compile", lambda fn: fn)  # only the config change is under test
     config = torchacc.Config()
     config.compute.compile = True

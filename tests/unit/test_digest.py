@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from torchacc.dist import _digest
-from torchacc.dist._digest import tensor_digest
-from torchacc.dist.collectives import sync_tensors
+from torchacc.distributed import _digest
+from torchacc.distributed._digest import tensor_digest
+from torchacc.distributed.collectives import sync_tensors
 
 MASK = (1 << 64) - 1
 

@@ -7,8 +7,8 @@ import torch.nn as nn
 
 import torchacc
 from torchacc.dist import env
-from torchacc.dist.fsdp import resolve_module_classes, wrap_fsdp
-from torchacc.dist.mesh import build_mesh
+from torchacc.distributed.mesh import build_mesh
+from torchacc.parallel.fsdp import resolve_module_classes, wrap_fsdp
 
 
 def test_world_of_one_without_environment():

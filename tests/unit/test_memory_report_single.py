@@ -14,7 +14,7 @@ import torch
 from _models import TinyNet, tiny_gpt2
 
 import torchacc
-from torchacc.memory_report import Footprint, format_bytes
+from torchacc.parallel.memory_report import Footprint, format_bytes
 
 NUM_PARAMS = 3 * (64 * 16 + 64 + 16 * 64 + 16) + 16 + 1  # 6401 elements in 14 tensors
 NUM_STATE = 2 * NUM_PARAMS + 14  # AdamW: exp_avg and exp_avg_sq like the parameters, one 0-dim step each
@@ -133,7 +133,7 @@ def test_accelerate_logs_one_summary_line(torchacc_log):
 
 def test_accelerate_computes_no_summary_when_info_is_off(monkeypatch):
     calls = []
-    module = importlib.import_module("torchacc.memory_report")  # the attribute torchacc.memory_report is the function
+    module = importlib.import_module("torchacc.parallel.memory_report")
     monkeypatch.setattr(module, "memory_report", lambda *args: calls.append(args))
     assert not logging.getLogger("torchacc").isEnabledFor(logging.INFO)
     torchacc.accelerate(TinyNet())

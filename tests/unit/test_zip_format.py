@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import torchacc
-from torchacc import _file_ranges, _zip
-from torchacc._file_ranges import FileRange
-from torchacc._torch_format import StreamingTorchWriter, TensorSlot
-from torchacc.serialization import verify_file
-from torchacc.sharded_state import FORMAT, local_slice
-from torchacc.shards import ShardSet
+from torchacc.checkpoint._format import file_ranges as _file_ranges
+from torchacc.checkpoint._format import zip as _zip
+from torchacc.checkpoint._format.file_ranges import FileRange
+from torchacc.checkpoint._format.torch_writer import StreamingTorchWriter, TensorSlot
+from torchacc.checkpoint.files import verify_file
+from torchacc.checkpoint.offline.shard_set import ShardSet
+from torchacc.checkpoint.state import FORMAT, local_slice
 
 
 def test_crc32_combine_matches_zlib():

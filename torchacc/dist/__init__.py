@@ -1,11 +1,13 @@
 """``torchacc.dist``: ranks, devices and collectives with TorchAcc's names, and the sharding mechanism.
 
-Everything here works without torchrun as a world of one.
+The public face of ``torchacc.distributed`` (the low layer: ``env``, ``collectives``, ``mesh``) plus
+``torchacc.dist.fsdp`` (wrapping by class name, and TorchAcc's consolidation helpers under their original
+home). Everything here works without torchrun as a world of one.
 """
 
-from . import fsdp
-from .collectives import all_reduce, barrier, broadcast, mark_step, reduce, rendezvous
-from .env import (
+from ..distributed import collectives, env, mesh
+from ..distributed.collectives import all_reduce, barrier, broadcast, mark_step, reduce, rendezvous
+from ..distributed.env import (
     device,
     init_distributed,
     is_master_ordinal,
@@ -15,6 +17,7 @@ from .env import (
     teardown,
     world_size,
 )
+from . import fsdp
 
 __all__ = [
     "init_distributed",
@@ -33,3 +36,4 @@ __all__ = [
     "teardown",
     "fsdp",
 ]
+__all__ += ["collectives", "env", "mesh"]  # the modules, as before the package layout

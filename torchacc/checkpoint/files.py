@@ -1,0 +1,301 @@
+"""``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable.
+
+[Note: atomic files] A file is written under a temporary name beside its target, flushed to disk,
+then renamed over the target, so a crash (or SIGKILL) mid-save never leaves a half-written file
+under the final name. The temporary name holds the host, the process id and a random part, so writers
+of one path on several nodes of a shared file system never touch each other's files: each renames its
+own complete file, and the last rename wins. A save removes only temporaries that a dead process of its
+own host left behind.
+
+[Note: checksums] ``torch.save`` writes a zip archive that records a CRC-32 of every member, so a
+truncated or bit-flipped file is detected by ``verify_file`` without any sidecar file.
+"""
+
+import contextlib
+import errno
+import glob
+import os
+import pickle
+import re
+import secrets
+import socket
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._utils.tree import map_tensors
+from ..dist import env
+from ..distributed.collectives import all_gather_object, meet, raise_on_any_rank
+from ._format.file_ranges import corrupt_member_message, file_crc32
+from ._format.zip import record_table
+from ._safe_load import refusal
+
+__all__ = ["save", "load", "verify_file", "atomic_write", "atomic_write_text", "publish", "temp_path", "fsync_dir"]
+__all__ += ["remove_stale_temps"]
+__all__ += ["describe_os_error"]
+
+
+def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, global_master: bool = False) -> None:
+    """Save ``obj`` with ``torch.save``, TorchAcc style. Every rank must call it.
+
+    Tensors are moved to the CPU. With ``master_only=False`` every rank writes its own file (give
+    each rank its own ``path``) and DTensors are saved as this rank's local shard. With
+    ``master_only=True`` DTensors are first gathered to full tensors (a collective, hence "every
+    rank must call"), so the single file is complete. The ranks meet afterwards, and if any rank
+    failed to write, every rank raises.
+
+    Args:
+        obj: a tensor or a nest of dicts (``defaultdict`` too), lists, tuples and dataclasses holding tensors
+            and plain values, e.g. ``optimizer.state_dict()``.
+        path: the file to write, atomically (see [Note: atomic files]). With ``master_only=False`` it may be
+            a directory (existing, or ending in ``/``): each rank then writes ``path/rank-R-of-W.pth``.
+        master_only: only the master writes (see ``global_master``); False: every rank writes.
+        global_master: with ``master_only``, only global rank 0 writes (True) or the first rank of
+            every node (False, TorchAcc's default, for node-local disks).
+
+    Raises:
+        ValueError: with ``master_only=False``, several ranks were given the same file (one rank's data
+            would be lost); nothing is written.
+        RuntimeError: some rank did not call it within ``torchacc.dist.collectives.MEET_TIMEOUT`` seconds (a
+            save under ``if rank == 0:``); the message names the ranks.
+        RuntimeError: some rank could not write (a missing or read-only directory, a full disk); the
+            message names the rank, the path and how to fix it. ``path`` keeps its previous content.
+
+    Example:
+        >>> torchacc.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()},
+        ...               f"ckpt/rank-{rank}-of-{world}-model.pth", master_only=False)
+    """
+    path = os.fspath(path)
+    if not master_only and (os.path.isdir(path) or path.endswith(("/", os.sep))):
+        path = os.path.join(path, f"rank-{env.rank()}-of-{env.world_size()}.pth")  # TorchAcc's directory form
+    what = f"torchacc.save({path!r})"
+    meet("torchacc.save", hint=_COLLECTIVE_HINT)
+    if not master_only:
+        _refuse_shared_path(path, what)
+    writes = not master_only or env.is_master_ordinal(local=not global_master)
+
+    def to_cpu(tensor: torch.Tensor) -> torch.Tensor | None:
+        # With writes=False only the gathers run (ranks that do not write still take part in them).
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor() if master_only else tensor.to_local()
+        return tensor.detach().cpu() if writes else None
+
+    # A defaultdict (optimizer.state) is written as a dict: weights_only loading cannot rebuild one.
+    data = map_tensors(to_cpu, obj, defaultdict_as_dict=True)
+    error = None
+    if writes:
+        try:
+            atomic_write(path, lambda tmp: torch.save(data, tmp))
+        except Exception as exc:  # reported to every rank below instead of hanging them
+            error = describe_os_error(exc, path)
+    raise_on_any_rank(error, what=what)
+
+
+_COLLECTIVE_HINT = (
+    "call torchacc.save on every rank, not under `if rank == 0:`: it gathers sharded tensors from every rank "
+    "and writes on the master rank by itself (master_only=True); if the ranks reach the save far apart on "
+    "purpose, call torchacc.dist.barrier() first"
+)
+
+
+def _refuse_shared_path(path: str, what: str) -> None:
+    """Raise on every rank when two ranks would write the same file (the last rename would win silently)."""
+    paths = all_gather_object(
+        os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    )
+    seen: dict[str, int] = {}
+    for rank, target in enumerate(paths):
+        if target in seen:
+            raise ValueError(
+                f"{what} failed: ranks {seen[target]} and {rank} would both write {target!r} (master_only=False), "
+                "and one rank's data would be lost; give each rank its own file, e.g. "
+                "f'ckpt/rank-{torchacc.dist.rank()}-of-{torchacc.dist.world_size()}.pth'"
+            )
+        seen[target] = rank
+
+
+def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = False, weights_only: bool = True) -> Any:
+    """Load a file written by ``torchacc.save`` (or ``torch.save``) onto the CPU.
+
+    Args:
+        path: the file.
+        mmap: map tensors from the file instead of reading them (for files larger than RAM).
+        verify: check every member's CRC-32 first (reads the whole file once more).
+        weights_only: build only tensors, containers, numbers and strings, so that loading cannot run code
+            from the file (torch's ``weights_only=True``). Pass False only for a file you trust that holds
+            other objects.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is truncated, corrupt, or not a torch checkpoint; or, with ``weights_only``, it
+            holds other objects (the message names the opt-in). The message names the file.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint file at {path!r}")
+    if verify:
+        verify_file(path)
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+    except Exception as exc:  # the unpickler raises anything from KeyError to EOFError on a damaged file
+        if weights_only and isinstance(exc, pickle.UnpicklingError) and "GLOBAL" in str(exc):
+            raise refusal(path, _unsupported_global(exc)) from None
+        detail = " ".join(str(exc).split())[:300]
+        raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {detail}") from None
+
+
+def _unsupported_global(exc: BaseException) -> str:
+    found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", str(exc))
+    return found.group(1) if found else str(exc).splitlines()[0]
+
+
+def verify_file(path: str | os.PathLike[str], *, members: Callable[[str], bool] | None = None) -> None:
+    """Check that ``path`` is a complete torch checkpoint whose members match their recorded CRC-32.
+
+    Args:
+        path: the file.
+        members: check only the members whose name this returns True for (default: all).
+
+    Raises:
+        ValueError: naming the file and what is wrong (truncated, not a checkpoint, a corrupt member).
+    """
+    path = os.fspath(path)
+    try:
+        stored = {name: (offset, size, crc) for offset, (name, size, crc) in record_table(path).items()}
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if members is not None and not members(name):
+                    continue
+                if name in stored:  # torch's members: read through one reused buffer, no zipfile overhead
+                    offset, size, crc = stored[name]
+                    if file_crc32(path, offset, size) != crc:
+                        raise _CorruptMember(name)
+                else:
+                    _read_member(archive, name)
+    except _CorruptMember as bad:
+        raise ValueError(corrupt_member_message(path, bad.args[0])) from None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise ValueError(f"{path}: truncated or not a torch checkpoint ({exc})") from None
+
+
+class _CorruptMember(Exception):
+    pass
+
+
+def _read_member(archive: zipfile.ZipFile, name: str) -> None:
+    try:
+        with archive.open(name) as member:
+            while member.read(1 << 23):  # zipfile checks the CRC-32 when the member ends
+                pass
+    except zipfile.BadZipFile:  # a bad CRC-32, or a damaged member header
+        raise _CorruptMember(name) from None
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None], *, sync: bool = True) -> None:
+    """Call ``write(tmp_path)``, then move the finished file to ``path`` (see [Note: atomic files]).
+
+    Args:
+        path: the final name.
+        write: writes the complete file to the temporary path it is given.
+        sync: fsync the file before the rename (see ``publish``).
+
+    Raises:
+        Whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
+    """
+    path = os.fspath(path)
+    remove_stale_temps(path)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        publish(tmp, path, sync=sync)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write the small text file ``path`` atomically (see [Note: atomic files])."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+_HOST = re.sub(r"[^\w.]", "_", socket.gethostname()) or "host"
+_TEMP = re.compile(r"\.tmp-(\d+)@(.+)-[0-9a-f]{8}$")
+
+
+def temp_path(path: str | os.PathLike[str]) -> str:
+    """A new temporary name beside ``path``, unique to this host, process and call (see [Note: atomic files])."""
+    return f"{os.fspath(path)}.tmp-{os.getpid()}@{_HOST}-{secrets.token_hex(4)}"
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> None:
+    """Remove the temporaries of ``path`` that processes of this host left when they died; never another host's."""
+    path = os.fspath(path)
+    for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):
+        found = _TEMP.search(stale[len(path) :])
+        if found and found.group(2) == _HOST and not _alive(int(found.group(1))):
+            _remove_quietly(stale)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a live process of another user
+        return True
+    return True
+
+
+def publish(tmp: str, path: str | os.PathLike[str], *, sync: bool = True) -> None:
+    """Flush the finished file ``tmp`` to disk and rename it to ``path`` (and flush the directory entry).
+
+    ``sync=False`` only renames: a crash of the process still never exposes a partial file, but after a
+    power cut ``path`` may hold data the disk never received (as after ``torch.save``).
+    """
+    if sync:
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Flush ``directory``'s entries (renames, new files) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_os_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
+    """One line saying what went wrong writing ``path`` and how to fix it."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device of {parent!r} while writing {path!r} ({exc}); free space and save again"
+    if not os.path.isdir(parent):
+        existing = parent
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            return f"{existing!r} is a file, not a directory, so {path!r} cannot be written; fix the path"
+        return f"the directory {parent!r} does not exist; create it first (os.makedirs) or fix the path {path!r}"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{path!r} is not writable ({exc}); choose a writable directory or fix its permissions"
+    return f"{type(exc).__name__} writing {path!r}: {exc}"
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)

@@ -1,0 +1,218 @@
+"""Optimizer state of an accelerated model: keyed by parameter names, and sharded like the parameters.
+
+``optimizer.state_dict()`` keys state by position (0, 1, ...), which only means something next to
+the exact optimizer that wrote it, and under FSDP holds this rank's shards. ``optim_state_dict`` and
+``load_optim_state_dict`` key by the model's parameter names and convert between full tensors,
+DTensors and local shards.
+
+[Note: plain optimizer loads] TorchAcc scripts save ``torchacc.save(optimizer.state_dict(), path)``
+(the full state, gathered) and later call ``optimizer.load_state_dict(torch.load(path))``. torch's own
+load keeps those full tensors as plain tensors beside DTensor parameters, and the next step fails.
+``watch_optimizers`` makes that round trip exact: each optimizer over sharded parameters gets a
+load-state-dict pre-hook that shards full tensors like their parameter (and refuses state it cannot
+map, naming the parameter); an optimizer that loaded state before the hook was attached (one built
+after ``accelerate()`` gets it at its first step) has that state sharded at its first step.
+"""
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .state import check_shard_metadata
+
+__all__ = ["optim_state_dict", "load_optim_state_dict", "watch_optimizers", "attach_load_hook", "shard_like"]
+
+
+def _names_by_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter name of each optimizer index, in ``optimizer.state_dict()`` order."""
+    names = {param: name for name, param in model.named_parameters()}
+    ordered = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param not in names:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in "
+                    f"{type(model).__name__}; build it from the accelerated model's parameters"
+                )
+            ordered.append(names[param])
+    return ordered
+
+
+def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter names.
+
+    Args:
+        model: the (accelerated) model the optimizer trains.
+        optimizer: the optimizer.
+        full: gather sharded state into full CPU tensors (a collective: every rank must call it);
+            False keeps DTensors, which ``torchacc.save(..., master_only=False)`` stores as local shards.
+
+    Returns:
+        ``{"state": {param name: {key: value}}, "param_groups": [{..., "params": [param names]}]}``.
+
+    Example:
+        >>> shard = {"optimizer": torchacc.optim_state_dict(model, opt), "shard_metadata": model.get_shard_metadata()}
+        >>> torchacc.save(shard, f"ckpt/rank-{rank}-of-{world}-optim.pth", master_only=False)
+    """
+    names = _names_by_index(model, optimizer)
+    raw = optimizer.state_dict()
+    state = {}
+    for index, values in raw["state"].items():
+        state[names[index]] = {
+            key: (value.full_tensor().cpu() if full and isinstance(value, DTensor) else value)
+            for key, value in values.items()
+        }
+    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in raw["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optim_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    *,
+    shard_metadata: dict[str, Any] | None = None,
+) -> None:
+    """Load optimizer state saved by ``optim_state_dict`` (full or sharded), or ``optimizer.state_dict()``.
+
+    Full tensors are cut to this rank's shard without communication, so a consolidated optimizer
+    state loads at any world size. Local shards need the ``shard_metadata`` saved with them.
+
+    Args:
+        model: the accelerated model the optimizer trains.
+        optimizer: the optimizer built on it.
+        state_dict: name-keyed (``optim_state_dict``, a consolidated file's ``["optimizer"]``) or index-keyed
+            (``optimizer.state_dict()`` of the same optimizer layout).
+        shard_metadata: ``model.get_shard_metadata()`` of the run that saved local shards.
+
+    Raises:
+        ValueError: param groups that do not match this optimizer's, state for an unknown parameter, or a
+            tensor that is neither full-shaped nor a matching local shard.
+    """
+    if shard_metadata is not None:
+        check_shard_metadata(shard_metadata)
+    names = _names_by_index(model, optimizer)
+    index_of = {name: i for i, name in enumerate(names)}
+    groups = state_dict["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != live_sizes:
+        raise ValueError(
+            f"the saved optimizer has param groups of sizes {sizes} but this one has {live_sizes}; build the "
+            "optimizer with the same parameter groups as the run that saved it"
+        )
+    params = dict(model.named_parameters())
+    state = {}
+    for key, values in state_dict["state"].items():
+        name = names[key] if isinstance(key, int) else key
+        if name not in index_of:
+            raise ValueError(f"saved optimizer state for {name!r}, which is not a parameter of {type(model).__name__}")
+        state[index_of[name]] = {k: shard_like(params[name], name, k, v, shard_metadata) for k, v in values.items()}
+    live_groups = [
+        {**saved, "params": [index_of[n] if isinstance(n, str) else n for n in saved["params"]]} for saved in groups
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": live_groups})
+
+
+def shard_like(param: torch.Tensor, name: str, key: str, value: Any, meta: dict[str, Any] | None = None) -> Any:
+    """Make a state tensor that belongs to ``param`` a DTensor laid out like it (no communication).
+
+    Raises:
+        ValueError: ``value`` is neither a scalar, the full shape, nor (with ``meta``) this rank's shard.
+    """
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    value = value.to(param.device)
+    if value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    if value.dim() == 0:  # per-parameter scalars such as Adam's step
+        return value
+    local = param.to_local().shape
+    if value.shape != local or meta is None:
+        hint = "pass the shard_metadata= saved with it to" if value.shape == local else "load it with"
+        raise ValueError(
+            f"optimizer state {name}:{key} has shape {tuple(value.shape)}, not the full shape {tuple(param.shape)} "
+            f"of parameter {name!r}; it does not belong to this model's parameters: {hint} "
+            "torchacc.load_optim_state_dict(model, optimizer, state, shard_metadata=...), or consolidate the "
+            "optimizer shards first"
+        )
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_step_hook_installed = False
+
+
+def watch_optimizers() -> None:
+    """Check every optimizer at its first step: refuse one built on replaced parameters, shard plain state.
+
+    See [Note: plain optimizer loads]. Installed once per process by the engine when it shards a model.
+    """
+    global _step_hook_installed
+    if not _step_hook_installed:
+        register_optimizer_step_pre_hook(_first_step)
+        _step_hook_installed = True
+
+
+def attach_load_hook(optimizer: torch.optim.Optimizer) -> None:
+    """Shard full tensors in every later ``optimizer.load_state_dict`` (see [Note: plain optimizer loads])."""
+    if optimizer not in _hooked:
+        optimizer.register_load_state_dict_pre_hook(_shard_loaded_state)
+        _hooked.add(optimizer)
+
+
+def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _watched:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for param in params:
+        # Under FSDP2 an optimizer built before sharding updates parameters the model no longer uses:
+        # the loss never moves and nothing says why (a known PyTorch trap).
+        name = getattr(param, "_torchacc_replaced", None)
+        if name is not None:
+            raise RuntimeError(
+                f"this optimizer holds parameters that torchacc.accelerate() replaced by sharded ones (first: "
+                f"{name!r}), so it would train nothing; build the optimizer after accelerate() from "
+                "model.parameters(), or pass it in: accelerate(model, loader, config, optimizer=optimizer)"
+            )
+    if any(isinstance(p, DTensor) for p in params):
+        for param in params:
+            state = optimizer.state.get(param)
+            if state:
+                name = getattr(param, "_torchacc_name", "?")
+                optimizer.state[param] = {k: shard_like(param, name, k, v) for k, v in state.items()}
+        attach_load_hook(optimizer)
+    _watched.add(optimizer)
+
+
+def _shard_loaded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return state_dict
+    fix = "save it from this model's optimizer, or load name-keyed state with torchacc.load_optim_state_dict"
+    try:
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+    except (KeyError, TypeError):
+        raise ValueError(f"optimizer.load_state_dict: not an optimizer state dict (no param_groups); {fix}") from None
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(
+            f"optimizer.load_state_dict: the saved state has param groups of sizes {sizes} but this optimizer has "
+            f"{[len(g['params']) for g in optimizer.param_groups]}: it comes from other parameters; {fix}"
+        )
+    by_id = dict(zip(saved_ids, params, strict=True))
+    state = {}
+    for index, values in state_dict.get("state", {}).items():
+        param = by_id.get(index)
+        if param is None:
+            raise ValueError(
+                f"optimizer.load_state_dict: state for parameter index {index!r}, which no group holds; {fix}"
+            )
+        name = getattr(param, "_torchacc_name", f"#{index}")
+        state[index] = {k: shard_like(param, name, k, v) for k, v in values.items()}
+    return {**state_dict, "state": state}

@@ -1,0 +1,174 @@
+"""Describe and load the state of an accelerated model: ``get_shard_metadata`` and ``load_state_dict``.
+
+[Note: shard metadata] ``model.get_shard_metadata()`` records, for every ``state_dict`` key, the
+full shape and dtype, the placements over the mesh and this rank's slice (offset and local shape).
+That is all an offline tool needs to rebuild full tensors from per-rank files, without the model,
+its code or a process group. Placements are strings: ``"replicate"`` or ``"shard:<dim>"``.
+``"run_id"`` (a hex string, the same on every rank of one accelerated model and new for each
+``accelerate()``) tells the files of two runs apart, so the offline tools never merge them; files
+saved before it existed have none and are accepted, unless mixed with files that have one.
+"""
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..dist import env
+
+__all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
+
+FORMAT = "torchacc-shards/1"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"torch.float32"`` -> ``torch.float32``."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in shard metadata")
+    return dtype
+
+
+def _placement_name(placement: Any) -> str:
+    if isinstance(placement, Shard):
+        return f"shard:{placement.dim}"
+    if isinstance(placement, Replicate):
+        return "replicate"
+    raise AssertionError(f"unsupported placement {placement!r} in a torchacc model")
+
+
+def local_slice(
+    shape: tuple[int, ...], placements: list[str], mesh_shape: list[int], coordinate: list[int]
+) -> tuple[list[int], list[int]]:
+    """The (offset, local shape) of one rank's piece of a tensor sharded with ``torch.chunk`` semantics."""
+    offset, local = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.startswith("shard:"):
+            dim = int(placement.split(":")[1])
+            chunk = -(-shape[dim] // mesh_shape[mesh_dim])
+            offset[dim] = min(coordinate[mesh_dim] * chunk, shape[dim])
+            local[dim] = max(0, min(chunk, shape[dim] - offset[dim]))
+    return offset, local
+
+
+def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
+    """Describe how ``model``'s state is split across ranks (see [Note: shard metadata]).
+
+    Returns:
+        ``{"format", "world_size", "rank", "run_id", "mesh": {"shape", "dim_names", "coordinate"} or None,
+        "tensors": {key: {"kind", "shape", "dtype", "placements", "offset", "local_shape"}}}``.
+        Buffers (and every tensor of a replicated or single-process model) are ``["replicate"]``.
+        ``"run_id"`` is left out for a model that torchacc did not accelerate.
+
+    Example:
+        >>> ckpt = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}
+    """
+    param_keys = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    mesh_info = None
+    tensors = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        entry: dict[str, Any] = {"kind": "param" if key in param_keys else "buffer", "dtype": str(value.dtype)}
+        entry["shape"] = list(value.shape)
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            if mesh_info is None:
+                mesh_info = {
+                    "shape": list(mesh.shape),
+                    "dim_names": list(mesh.mesh_dim_names or ()),
+                    "coordinate": list(mesh.get_coordinate() or ()),
+                }
+            entry["placements"] = [_placement_name(p) for p in value.placements]
+            offset, local = local_slice(
+                tuple(value.shape), entry["placements"], mesh_info["shape"], mesh_info["coordinate"]
+            )
+            if local != list(value.to_local().shape):
+                raise AssertionError(f"{key}: computed local shape {local} != actual {list(value.to_local().shape)}")
+        else:
+            entry["placements"] = ["replicate"]
+            offset, local = [0] * value.dim(), list(value.shape)
+        entry["offset"], entry["local_shape"] = offset, local
+        tensors[key] = entry
+    meta = {"format": FORMAT, "world_size": env.world_size(), "rank": env.rank(), "mesh": mesh_info, "tensors": tensors}
+    accelerated = getattr(model, "_torchacc", None)
+    if accelerated is not None:
+        meta["run_id"] = accelerated.run_id
+    return meta
+
+
+def load_state_dict(
+    model: nn.Module,
+    state_dict: dict[str, Any],
+    strict: bool = True,
+    assign: bool = False,
+    *,
+    shard_metadata: dict[str, Any] | None = None,
+) -> Any:
+    """``model.load_state_dict`` for an accelerated model, accepting three kinds of state dict.
+
+    * a full (consolidated) state dict of plain tensors: each rank keeps its own slice (no
+      communication); this is how ``torch.load("consolidated.pth")["model"]`` is loaded;
+    * a state dict of DTensors laid out like the model (``model.state_dict()`` of a twin run);
+    * this rank's local shards, as saved by ``torchacc.save(..., master_only=False)``, together with
+      ``shard_metadata=`` saved beside them by the same rank.
+
+    Args:
+        model: the accelerated model.
+        state_dict: one of the above.
+        strict, assign: as in ``torch.nn.Module.load_state_dict``.
+        shard_metadata: ``model.get_shard_metadata()`` of the run that saved local shards.
+
+    Returns:
+        ``torch.nn.Module.load_state_dict``'s result (missing and unexpected keys).
+
+    Raises:
+        ValueError: a tensor that is neither full-shaped nor a matching local shard; local shards from
+            another rank, world size or layout (the message says to consolidate or reshard first).
+    """
+    if shard_metadata is not None:
+        check_shard_metadata(shard_metadata)
+    targets = model.state_dict()
+    converted = {}
+    for key, value in state_dict.items():
+        target = targets.get(key)
+        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = _to_dtensor(key, value, target, shard_metadata)
+        converted[key] = value
+    return nn.Module.load_state_dict(model, converted, strict=strict, assign=assign)
+
+
+def check_shard_metadata(meta: dict[str, Any]) -> None:
+    """Raise ValueError unless ``meta`` is shard metadata saved by this rank of a run of this world size."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError("shard_metadata is not from model.get_shard_metadata(); pass the dict saved with the shards")
+    here = (env.rank(), env.world_size())
+    if (meta["rank"], meta["world_size"]) != here:
+        raise ValueError(
+            f"these local shards were saved by rank {meta['rank']} of {meta['world_size']}, but this is rank {here[0]} "
+            f"of {here[1]}; load the file saved by this rank, or consolidate the shards "
+            "(torchacc.dist.fsdp.consolidate_sharded_model_checkpoints) or reshard them (torchacc.reshard_checkpoint)"
+        )
+
+
+def _to_dtensor(key: str, value: torch.Tensor, target: DTensor, meta: dict[str, Any] | None) -> DTensor:
+    value = value.to(target.device)
+    if meta is not None:
+        entry = meta["tensors"].get(key)
+        local = list(target.to_local().shape)
+        if entry is None or entry["local_shape"] != local or list(value.shape) != local:
+            saved = None if entry is None else entry["local_shape"]
+            raise ValueError(
+                f"{key}: the saved local shard has shape {saved} but this rank holds {local} (a different sharding "
+                "layout); consolidate the shards and load the full state dict instead"
+            )
+        return DTensor.from_local(
+            value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
+        )
+    if value.shape != target.shape:
+        raise ValueError(
+            f"{key}: got shape {tuple(value.shape)}, expected the full shape {tuple(target.shape)}; to load this "
+            "rank's local shards pass shard_metadata= (the dict saved with them by model.get_shard_metadata())"
+        )
+    return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)

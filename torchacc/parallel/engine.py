@@ -1,0 +1,337 @@
+"""The sharding engine behind both ``accelerate()`` and ``FSDP2Strategy``: one code path.
+
+``plan_model`` checks everything about the model without communicating; ``make_mesh`` builds the
+device mesh; ``shard_model`` applies activation checkpointing, compilation, sharding (or DDP),
+meta-device materialization and mixed precision, in that order; ``remap_optimizer`` moves an
+optimizer built too early onto the sharded parameters.
+
+[Note: shard before moving] Under FSDP the model is not moved to the device as a whole: a 70B model
+would not fit on one GPU, and CPU offload would be defeated. ``fully_shard`` moves each unit's
+parameters to the mesh's device as it shards it (bottom-up, one unit at a time), as TorchTitan relies on.
+"""
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from .._utils.logging import warn_once
+from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
+from ..checkpoint.state import get_shard_metadata, load_state_dict
+from ..config import Config
+from ..config._io import fmt
+from ..dist import env
+from ..distributed.collectives import all_gather_object, broadcast, sync_tensors
+from ..distributed.mesh import build_mesh
+from ._buffers import broadcast_changed_buffers
+from ._forward import route_forward_through_call
+from .activation_checkpoint import apply_activation_checkpointing
+from .fsdp import check_units, is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
+from .memory_report import log_summary
+from .meta_init import check_materializable, has_meta_params, load_weights, materialize
+from .precision import compute_dtype, install_precision
+
+__all__ = [
+    "AcceleratedState",
+    "ModelPlan",
+    "plan_model",
+    "agree_on_config",
+    "make_mesh",
+    "shard_model",
+    "remap_optimizer",
+]
+
+ParallelizeFn = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], nn.Module | None]
+
+
+@dataclass(frozen=True)
+class AcceleratedState:
+    """What the engine did to a model, kept on it as ``model._torchacc``."""
+
+    device: torch.device
+    mesh: DeviceMesh | None
+    dp_size: int
+    fsdp_size: int
+    compute_dtype: torch.dtype | None
+    run_id: str  # new for each accelerated model, the same on all its ranks; recorded in its shard metadata
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The resolved classes and checks for one model; built before any collective."""
+
+    wrap_classes: frozenset[type[nn.Module]]
+    gc_classes: frozenset[type[nn.Module]]
+    meta: bool
+
+
+def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optimizer | None = None) -> ModelPlan:
+    """Check ``model`` (and ``optimizer``) against ``config``; no communication.
+
+    Raises:
+        ValueError: an already accelerated model, an unknown wrap or checkpoint class (listing the model's
+            classes), a meta-device model that cannot be initialized, an optimizer holding other parameters.
+        TypeError: ``optimizer`` is not an optimizer.
+    """
+    if hasattr(model, "_torchacc") or is_wrapped(model):
+        raise ValueError(
+            f"{type(model).__name__} is already accelerated (sharded or replicated); call torchacc.accelerate() "
+            "once per model, on the plain model"
+        )
+    meta = has_meta_params(model)
+    if meta:
+        check_materializable(model, config.dist.fsdp.init_from)
+    elif any(b.is_meta for b in model.buffers()):
+        check_materializable(model, None)
+    wrap = resolve_module_classes(model, config.dist.fsdp.wrap_layer_cls, what="dist.fsdp.wrap_layer_cls")
+    gc: set[type[nn.Module]] = set()
+    if config.memory.gc:
+        what = "memory.gc_cls" if config.memory.gc_cls else "dist.fsdp.wrap_layer_cls"
+        gc = resolve_module_classes(model, config.memory.gc_cls or config.dist.fsdp.wrap_layer_cls, what=what)
+    if config.dist.fsdp.size > 1:
+        check_units(model, wrap)
+    if config.compute.compile and not wrap:
+        raise ValueError("compute.compile=True compiles each dist.fsdp.wrap_layer_cls block; set wrap_layer_cls too")
+    names = {param: name for name, param in model.named_parameters()}
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        foreign = [p for group in optimizer.param_groups for p in group["params"] if p not in names]
+        if foreign:
+            raise ValueError(
+                f"optimizer holds {len(foreign)} parameter(s) that are not parameters of {type(model).__name__} "
+                f"(first has shape {tuple(foreign[0].shape)}); build the optimizer from model.parameters()"
+            )
+    return ModelPlan(frozenset(wrap), frozenset(gc), meta)
+
+
+def agree_on_config(config: Config, error: Exception | None) -> None:
+    """Meet every rank once, before any other collective, and raise the same error everywhere when the ranks
+    disagree on the config or one of them found it invalid.
+
+    Ranks with different configs would build different meshes or units and die in a collective (a gloo
+    abort, or a hang); a config error on one rank only would leave the others waiting. Every rank must call
+    it, after ``env.init_distributed``; it does nothing in a world of one.
+
+    Args:
+        config: this rank's config.
+        error: the error this rank's validation raised, or None.
+
+    Raises:
+        ValueError: naming the fields that differ (with each rank's value), or another rank's error.
+    """
+    if not env.is_distributed():
+        return
+    flat = _flatten(config.to_dict())
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+    reports = all_gather_object((digest, None if error is None else f"{type(error).__name__}: {error}"))
+    if len({d for d, _ in reports}) > 1:
+        configs = all_gather_object(flat)
+        differing = sorted(k for k in set().union(*configs) if len({repr(c.get(k)) for c in configs}) > 1)
+        details = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r}={fmt(c.get(key))}" for r, c in enumerate(configs)) for key in differing
+        )
+        raise ValueError(
+            f"the ranks were given different configs ({details}); every rank must build the same torchacc.Config: "
+            "set these fields outside any rank-dependent branch"
+        )
+    failed = [(rank, message) for rank, (_, message) in enumerate(reports) if message]
+    if failed and error is None:
+        rank, message = failed[0]
+        raise ValueError(f"rank {rank} stopped at its checks before any collective: {message}")
+
+
+def report_config_error(config: Config, error: Exception) -> None:
+    """Share an error this rank's checks raised (config, model, loader) with the others before raising it.
+
+    With a config that differs between ranks, the other ranks may not have failed and would wait for this
+    one. Call it only in a job of several ranks; it returns when there is no process group to share through.
+
+    Raises:
+        ValueError: the ranks' configs differ (naming the fields).
+    """
+    try:
+        env.init_distributed()
+    except (ValueError, RuntimeError):
+        return  # the launch itself is broken: the caller reports its own error
+    agree_on_config(config, error)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def make_mesh(config: Config, *, world_size: int, device: torch.device) -> DeviceMesh | None:
+    """The mesh ``fully_shard`` uses, or None when nothing is sharded (plain DP, or one process)."""
+    if config.dist.fsdp.size == 1:
+        return None
+    dp_size = config.resolved_dp_size(world_size)
+    return build_mesh(
+        device_type=device.type, dp_size=dp_size, fsdp_size=config.dist.fsdp.size, topology=config.dist.topology
+    )
+
+
+def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:
+    # The block's forward is compiled in place (not wrapped in an OptimizedModule): the module's
+    # __call__, and so FSDP's pre/post-forward hooks, stay eager, and no "_orig_mod." enters any key.
+    hf_config = getattr(model, "config", None)
+    if getattr(hf_config, "use_cache", None) is True:
+        # Each block updates its own layer's KV-cache entry and dynamo guards on it, so every block
+        # recompiles; past torch._dynamo.config.recompile_limit the remaining blocks silently run eager.
+        hf_config.use_cache = False
+        warn_once(
+            "compute.compile=True set model.config.use_cache=False: a KV cache makes every compiled block "
+            "recompile during training; set it back to True before calling generate()"
+        )
+    for module in model.modules():
+        if module is not model and isinstance(module, tuple(classes)):
+            module.forward = torch.compile(module.forward)
+
+
+def shard_model(
+    model: nn.Module,
+    config: Config,
+    plan: ModelPlan,
+    *,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    world_size: int,
+    parallelize_fn: ParallelizeFn | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Turn ``model`` into an accelerated model, in place. Every rank must call it (it communicates).
+
+    Args:
+        model: the plain model (possibly on the meta device, see ``torchacc.init_empty_weights``).
+        config: the validated config.
+        plan: ``plan_model(model, config)``.
+        mesh: ``make_mesh(config, ...)``: FSDP/HSDP when given, DDP or nothing otherwise.
+        device: this rank's device.
+        world_size: the job's world size.
+        parallelize_fn: replaces the class-name wrapping: called as ``fn(model, mesh, mp_policy)``.
+        mp_policy: replaces the policy derived from ``config.compute``.
+
+    Returns:
+        ``model``, sharded, on ``device``, with ``get_shard_metadata`` and a ``load_state_dict`` that
+        accepts full, DTensor and local-shard state dicts.
+    """
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if plan.meta else {}
+    if config.memory.gc:
+        apply_activation_checkpointing(
+            model, plan.gc_classes, num_layers=config.memory.gc_cnt, interval=config.memory.gc_interval
+        )
+    if config.compute.compile:
+        _compile_blocks(model, plan.wrap_classes)
+    dtype = compute_dtype(bf16=config.compute.bf16, fp16=config.compute.fp16, device=device)
+    if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
+        dtype = mp_policy.param_dtype
+    init_from = config.dist.fsdp.init_from
+    offload = None
+    if config.memory.offload_params:
+        if device.type == "cuda" and mesh is not None:
+            offload = CPUOffloadPolicy()
+        elif device.type == "cuda":
+            warn_once("memory.offload_params=True needs FSDP (dist.fsdp.size > 1); it is ignored without sharding")
+        else:
+            warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
+    autocast_dtype = dtype
+    if mesh is not None:
+        if config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
+            sync_tensors([*model.parameters(), *model.buffers()])
+        reduce_dtype = getattr(torch, config.dist.fsdp.reduce_dtype)
+        mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+        if mp_policy.param_dtype is not None:
+            autocast_dtype = None  # the policy casts: see [Note: one precision mechanism] in precision.py
+        # See [Note: shard before moving]: no model.to(device) here. The tags name the parameters that
+        # sharding replaces: an optimizer still holding one fails at its first step instead of training nothing.
+        for name, param in model.named_parameters():
+            param._torchacc_replaced = name
+        if parallelize_fn is not None:
+            model = parallelize_fn(model, mesh, mp_policy) or model
+        else:
+            wrap_fsdp(
+                model,
+                mesh,
+                plan.wrap_classes,
+                mp_policy=mp_policy,
+                reshard_after_forward=config.dist.fsdp.reshard_after_forward,
+                offload_policy=offload,
+                forward_prefetch=config.dist.fsdp.forward_prefetch,
+                backward_prefetch=config.dist.fsdp.backward_prefetch,
+            )
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        if config.dist.fsdp.broadcast_buffers:
+            broadcast_changed_buffers(model)
+        for name, param in model.named_parameters():
+            param._torchacc_name = name  # names the parameter in optimizer-state errors
+        watch_optimizers()
+    else:
+        if not plan.meta:
+            model.to(device)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        if world_size > 1:
+            wrap_ddp(
+                model,
+                sync_module_states=config.dist.fsdp.sync_module_states and init_from is None,
+                broadcast_buffers=config.dist.fsdp.broadcast_buffers,
+            )
+    if dtype is not None:
+        install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
+    if mesh is not None or world_size > 1:
+        route_forward_through_call(model)
+    if not hasattr(type(model), "device"):
+        model.device = device
+    # Checkpoint helpers on the instance: TorchAcc scripts call model.get_shard_metadata(), and
+    # load_state_dict must also take full (consolidated) and local-shard state dicts.
+    model.get_shard_metadata = MethodType(get_shard_metadata, model)
+    model.load_state_dict = MethodType(load_state_dict, model)
+    dp_size = config.resolved_dp_size(world_size)
+    run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
+    model._torchacc = AcceleratedState(device, mesh, dp_size, config.dist.fsdp.size, dtype, run_id)
+    log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
+    return model
+
+
+def _fill(
+    model: nn.Module, plan: ModelPlan, *, device: torch.device, buffers: dict[str, torch.Tensor], init_from: str | None
+) -> None:
+    """Give a meta-device model its values (own init or ``init_from``); load ``init_from`` into a real one."""
+    if plan.meta:
+        materialize(model, device=device, buffers=buffers, init_from=init_from)
+    elif init_from is not None:
+        load_weights(model, init_from)
+
+
+def remap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Point ``optimizer`` at the sharded parameters, sharding any state it already has like them."""
+    new_params = dict(model.named_parameters())
+
+    def remap(param: nn.Parameter) -> nn.Parameter:
+        name = getattr(param, "_torchacc_replaced", None)
+        return param if name is None else new_params[name]
+
+    for group in optimizer.param_groups:
+        group["params"] = [remap(p) for p in group["params"]]
+    for old, state in list(optimizer.state.items()):
+        new = remap(old)
+        del optimizer.state[old]
+        optimizer.state[new] = {
+            key: shard_like(new, getattr(new, "_torchacc_name", "?"), key, v) for key, v in state.items()
+        }
+    if any(isinstance(p, DTensor) for p in new_params.values()):
+        attach_load_hook(optimizer)

@@ -1,0 +1,306 @@
+"""``FSDP2Strategy``: the step-by-step API for frameworks and custom trainers.
+
+It is a thin shell over the functions ``accelerate()`` uses (``torchacc/engine.py`` for the model,
+``shard_dataloader`` for data, ``clip_grad_norm_``, the checkpoint modules): one code path. This
+module holds the constructor, the setup (environment, model, data) and the collectives; the rest is
+split by concept:
+
+* options: checked and written into the ``Config`` by ``torchacc/strategy_options.py``;
+* steps (forward, backward, optimizer step, accumulation): ``StrategyStepsMixin`` (``torchacc/strategy_steps.py``);
+* checkpoints: ``StrategyCheckpointMixin`` (``torchacc/strategy_checkpoint.py``).
+"""
+
+import contextlib
+import copy
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .._utils.logging import warn_once
+from ..config import Config
+from ..data import ShardedDataLoader, shard_dataloader
+from ..dist import collectives, env
+from ..parallel.engine import agree_on_config, make_mesh, plan_model, report_config_error, shard_model
+from ..parallel.meta_init import init_empty_weights
+from ..parallel.precision import GradScaler
+from .checkpoint import StrategyCheckpointMixin
+from .options import apply_options, check_options
+from .steps import StrategyStepsMixin
+
+__all__ = ["FSDP2Strategy"]
+
+
+class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
+    """Drive FSDP2 training step by step: set up, parallelize, then train with explicit step calls.
+
+    Args:
+        config: a ``torchacc.Config``; the keyword arguments below override it.
+        data_parallel_size: ``"auto"`` (the world size) or the world size itself.
+        tensor_parallel_size: ``"auto"`` or 1; tensor parallelism is not part of torchacc.
+        sharding_strategy: ``"FULL_SHARD"`` (reshard after forward), ``"SHARD_GRAD_OP"`` (keep parameters
+            gathered between forward and backward), ``"NO_SHARD"`` (DDP), ``"HYBRID_SHARD"`` (shard inside a
+            node, replicate across nodes); None keeps ``config``'s layout (FULL_SHARD without a config).
+        mp_policy: a ``MixedPrecisionPolicy``, or ``"bf16"`` / ``"fp16"`` / ``"fp32"``; None keeps ``config.compute``.
+            With fp16 the strategy scales the loss with a ``GradScaler`` (``strategy.scaler``): ``backward``
+            scales, ``optimizer_step`` unscales before clipping and skips steps with inf/NaN gradients.
+        cpu_offload: keep shards and optimizer state in CPU memory (CUDA runs; ignored with a warning on CPU).
+        activation_checkpointing_policy: class names (or classes) of the layers to checkpoint.
+        parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping.
+        checkpoint_io: an object with ``save_checkpoint(checkpoint, path)``, ``load_checkpoint(path)`` and
+            ``remove_checkpoint(path)`` that replaces the default file handling.
+        state_dict_type: ``"full"`` (one file, written by rank 0) or ``"sharded"`` (a DCP directory).
+        seed: seeds Python, NumPy and torch on every rank in ``setup_environment``.
+        max_norm: clip gradients to this global norm in ``optimizer_step`` (0 disables clipping).
+        micro_train_batch_size: samples per rank per forward.
+        train_batch_size: samples per optimizer step over all ranks; the accumulation steps are
+            ``train_batch_size // (micro_train_batch_size * data-parallel world size)``. None: no accumulation
+            (``micro_train_batch_size`` times the world size).
+        loss_fn: ``fn(model, batch) -> loss``; default ``model(**batch).loss`` (Hugging Face models).
+        defer_replica_all_reduce: with HYBRID_SHARD, reduce-scatter every micro-step but all-reduce across
+            replicas only on the last one (less communication, gradients held a little longer).
+
+    Raises:
+        ValueError: an unknown sharding strategy or state dict type, a tensor parallel size other than 1,
+            batch sizes that do not divide (at ``setup_environment``), a negative ``max_norm``.
+
+    Example:
+        >>> strategy = torchacc.FSDP2Strategy(train_batch_size=16, micro_train_batch_size=2, max_norm=1.0)
+        >>> strategy.setup_environment()
+        >>> with strategy.init_model_context():
+        ...     model = AutoModelForCausalLM.from_config(cfg)
+        >>> model = strategy.parallelize(model)
+    """
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        sharding_strategy: str | None = None,
+        mp_policy: MixedPrecisionPolicy | str | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing_policy: Any = None,
+        parallelize_fn: Callable[..., Any] | None = None,
+        checkpoint_io: Any = None,
+        state_dict_type: str = "full",
+        seed: int = 42,
+        max_norm: float = 0.0,
+        micro_train_batch_size: int = 1,
+        train_batch_size: int | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        defer_replica_all_reduce: bool = False,
+    ) -> None:
+        check_options(
+            config=config,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            sharding_strategy=sharding_strategy,
+            mp_policy=mp_policy,
+            state_dict_type=state_dict_type,
+            max_norm=max_norm,
+            micro_train_batch_size=micro_train_batch_size,
+            train_batch_size=train_batch_size,
+        )
+        self.config = copy.deepcopy(config) if config is not None else Config()
+        self.data_parallel_size = data_parallel_size
+        self.sharding_strategy = sharding_strategy or ("FULL_SHARD" if config is None else None)
+        self.mp_policy = mp_policy
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.parallelize_fn = parallelize_fn
+        self.checkpoint_io = checkpoint_io
+        self.state_dict_type = state_dict_type
+        self.seed = seed
+        self.max_norm = max_norm
+        self.micro_train_batch_size = micro_train_batch_size
+        self.train_batch_size = train_batch_size
+        self.loss_fn = loss_fn
+        self.defer_replica_all_reduce = defer_replica_all_reduce
+        self.model: nn.Module | None = None
+        self.dataloader: ShardedDataLoader | None = None
+        self.global_step = 0
+        self.scaler: GradScaler | None = None  # set up for fp16 compute in setup_environment
+        self._micro_step = 0
+        self._pending_optimizer_state: Any = None
+        self._env: dict[str, Any] | None = None
+
+    # --- environment ---------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        """Start the process group, seed every RNG, and build the device mesh. Call it first, on every rank.
+
+        Raises:
+            ValueError: an invalid layout or batch sizes (the same message on every rank).
+        """
+        world = env.world_size()
+        try:
+            apply_options(
+                self.config,
+                world_size=world,
+                data_parallel_size=self.data_parallel_size,
+                sharding_strategy=self.sharding_strategy,
+                mp_policy=self.mp_policy,
+                cpu_offload=self.cpu_offload,
+                activation_checkpointing_policy=self.activation_checkpointing_policy,
+            )
+            self.config.validate(world)
+            per_step = self.micro_train_batch_size * world
+            if self.train_batch_size is None:
+                self.train_batch_size = per_step
+            if self.train_batch_size % per_step:
+                raise ValueError(
+                    f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
+                    f"{self.micro_train_batch_size} x data-parallel world size {world} = {per_step}; choose a multiple"
+                )
+        except ValueError as exc:
+            if world > 1:
+                report_config_error(self.config, exc)
+            raise
+        env.init_distributed(timeout=self.config.dist.timeout)
+        agree_on_config(self.config, None)
+        random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        with contextlib.suppress(ImportError):
+            import numpy
+
+            numpy.random.seed(self.seed)
+        device = env.device()
+        self._env = {"device": device, "mesh": make_mesh(self.config, world_size=world, device=device)}
+        policy_fp16 = isinstance(self.mp_policy, MixedPrecisionPolicy) and self.mp_policy.param_dtype == torch.float16
+        if self.config.compute.fp16 or policy_fp16:
+            self.scaler = GradScaler(device)
+        self.accumulation_steps = self.train_batch_size // per_step
+
+    def _ready(self) -> dict[str, Any]:
+        if self._env is None:
+            raise RuntimeError("the strategy is not set up yet: call strategy.setup_environment() first")
+        return self._env
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+        return self._ready()["device"]
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The FSDP/HSDP mesh (None for NO_SHARD and single-process runs)."""
+        return self._ready()["mesh"]
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        self._ready()
+        return env.world_size()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job."""
+        self._ready()
+        return env.rank()
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        self._ready()
+        return env.local_rank()
+
+    @property
+    def is_global_zero(self) -> bool:
+        """True on global rank 0."""
+        return self.global_rank == 0
+
+    # --- model -----------------------------------------------------------------------------------
+
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Build the model inside this block: on the meta device when ``empty_init`` (no memory until
+        ``parallelize`` allocates only this rank's shards), normally otherwise."""
+        return init_empty_weights() if empty_init else contextlib.nullcontext()
+
+    def init_model_context(self, meta_init: bool = True) -> contextlib.AbstractContextManager:
+        """Like ``tensor_init_context(empty_init=meta_init)``; meta initialization by default."""
+        return self.tensor_init_context(empty_init=meta_init)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Build a model that will be sharded: parameters on the meta device, buffers real."""
+        with init_empty_weights():
+            yield
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` (once) and keep it for the step methods; a second call warns and returns it.
+
+        A model built in ``init_model_context()`` is materialized shard by shard on this rank's
+        device and initialized with its own init (or from ``config.dist.fsdp.init_from``).
+        """
+        state = self._ready()
+        if self.model is not None:
+            warn_once("FSDP2Strategy.parallelize() called again: the model is already parallelized; returning it")
+            return self.model
+        try:
+            plan = plan_model(model, self.config)
+        except (ValueError, TypeError) as exc:
+            agree_on_config(self.config, exc)  # a model error on one rank only reaches the others
+            raise
+        agree_on_config(self.config, None)  # also catches a config changed on some ranks after setup_environment
+        policy = self.mp_policy if isinstance(self.mp_policy, MixedPrecisionPolicy) else None
+        shard_model(
+            model,
+            self.config,
+            plan,
+            mesh=state["mesh"],
+            device=state["device"],
+            world_size=env.world_size(),
+            parallelize_fn=self.parallelize_fn,
+            mp_policy=policy,
+        )
+        self.model = model
+        return model
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("no model yet: call strategy.parallelize(model) first")
+        return self.model
+
+    def process_dataloader(self, dataloader: torch.utils.data.DataLoader) -> ShardedDataLoader:
+        """Split ``dataloader`` over the data-parallel ranks and deliver batches on the device."""
+        state = self._ready()
+        cfg = self.config.dataloader
+        self.dataloader = shard_dataloader(
+            dataloader,
+            num_replicas=env.world_size(),
+            rank=env.rank(),
+            device=state["device"],
+            shuffle=cfg.shuffle,
+            drop_last=cfg.drop_last,
+            seed=cfg.seed,
+            prefetch=cfg.prefetch,
+            shard=cfg.shard,
+        )
+        return self.dataloader
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (a named rendezvous when ``name`` is given)."""
+        if name is None:
+            collectives.barrier()
+        else:
+            collectives.rendezvous(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank."""
+        return collectives.broadcast(obj, src=src)
+
+    def reduce(self, tensor: torch.Tensor | float, reduce_op: str = "mean") -> torch.Tensor | float:
+        """All-reduce a copy of ``tensor`` (or a number) with ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        return collectives.reduce(tensor, op=reduce_op)
+
+    def teardown(self) -> None:
+        """Destroy the process group."""
+        env.teardown()

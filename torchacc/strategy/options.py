@@ -1,0 +1,101 @@
+"""``FSDP2Strategy``'s Lightning-style options: checked at construction, written into its ``Config`` at setup.
+
+The options (``sharding_strategy``, ``mp_policy``, ``cpu_offload``, ...) are another spelling of
+``Config`` fields. :func:`check_options` rejects bad values before anything starts;
+:func:`apply_options` translates the rest into the strategy's own copy of the ``Config``, which the
+shared code path (``torchacc/engine.py``) then reads.
+"""
+
+from typing import Any
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..config import Config
+from ..dist import env
+
+__all__ = ["SHARDING_STRATEGIES", "apply_options", "check_options"]
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_options(
+    *,
+    config: Config | None,
+    data_parallel_size: int | str,
+    tensor_parallel_size: int | str,
+    sharding_strategy: str | None,
+    mp_policy: MixedPrecisionPolicy | str | None,
+    state_dict_type: str,
+    max_norm: float,
+    micro_train_batch_size: int,
+    train_batch_size: int | None,
+) -> None:
+    """Check the ``FSDP2Strategy`` constructor arguments that can be checked without a process group.
+
+    Raises:
+        TypeError: ``config`` is not a ``torchacc.Config``.
+        ValueError: the first invalid option, named with its value and the allowed ones.
+    """
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a torchacc.Config, got {type(config).__name__}")
+    if sharding_strategy is not None and sharding_strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"sharding_strategy={sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}")
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
+    if tensor_parallel_size not in ("auto", 1):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size!r}: torchacc does not do tensor parallelism; use 'auto' "
+            "or 1 and scale with data_parallel_size / sharding instead"
+        )
+    if data_parallel_size != "auto":
+        _positive_int("data_parallel_size", data_parallel_size)
+    if isinstance(mp_policy, str) and mp_policy not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"mp_policy={mp_policy!r} must be a MixedPrecisionPolicy or 'bf16', 'fp16', 'fp32'")
+    if max_norm < 0:
+        raise ValueError(f"max_norm={max_norm} must be >= 0 (0 disables clipping)")
+    _positive_int("micro_train_batch_size", micro_train_batch_size)
+    if train_batch_size is not None:
+        _positive_int("train_batch_size", train_batch_size)
+
+
+def apply_options(
+    config: Config,
+    *,
+    world_size: int,
+    data_parallel_size: int | str,
+    sharding_strategy: str | None,
+    mp_policy: MixedPrecisionPolicy | str | None,
+    cpu_offload: bool,
+    activation_checkpointing_policy: Any,
+) -> None:
+    """Write the options into ``config`` in place; None or falsy options leave its fields as they are.
+
+    Raises:
+        ValueError: ``data_parallel_size`` is neither ``"auto"`` nor ``world_size``.
+    """
+    if data_parallel_size not in ("auto", world_size):
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} must equal the world size {world_size} (no tensor "
+            "parallelism); use 'auto'"
+        )
+    fsdp, dist_cfg = config.dist.fsdp, config.dist
+    if sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        fsdp.size, dist_cfg.dp.size = world_size, 1
+        fsdp.reshard_after_forward = sharding_strategy == "FULL_SHARD"
+    elif sharding_strategy == "NO_SHARD":
+        fsdp.size, dist_cfg.dp.size = 1, world_size
+    elif sharding_strategy == "HYBRID_SHARD":
+        per_node = env.local_world_size()
+        fsdp.size, dist_cfg.dp.size = per_node, world_size // per_node
+    if isinstance(mp_policy, str):
+        config.compute.bf16 = mp_policy == "bf16"
+        config.compute.fp16 = mp_policy == "fp16"
+    config.memory.offload_params = config.memory.offload_params or cpu_offload
+    if activation_checkpointing_policy:
+        config.memory.gc = True
+        config.memory.gc_cls = {c if isinstance(c, str) else c.__name__ for c in activation_checkpointing_policy}
