@@ -16,7 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, reshard_checkpoint
+from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate
+from .checkpoint.offline.reshard import reshard_checkpoint
 
 __all__ = ["main"]
 

@@ -14,7 +14,7 @@ from _models import TinyNet, tiny_gpt2
 from scenarios import full_state, gpt2_config, meta_init_state
 
 import torchacc
-import torchacc.checkpoint.files
+import torchacc._utils.fs
 
 
 def _attempt(fn: Any) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def _attempt(fn: Any) -> dict[str, Any]:
 def concurrent_saves(out: Path) -> dict[str, Any]:
     """Both 'nodes' save one path with the default arguments (the first rank of every node writes), 5 times."""
     rank = torchacc.dist.rank()
-    torchacc.checkpoint.files._HOST = f"node{rank}"  # the emulated nodes have different host names
+    torchacc._utils.fs._HOST = f"node{rank}"  # the emulated nodes have different host names
     target = out / "shared.pth"
     if rank == 0:
         (out / f"shared.pth.tmp-{2**22 + 7}@node0-0badc0de").write_text("left by a dead process of node0")

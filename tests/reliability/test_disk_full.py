@@ -16,7 +16,7 @@ from _models import TinyNet
 import torchacc
 import torchacc.checkpoint._checksums
 import torchacc.checkpoint._dir
-from torchacc.checkpoint.files import atomic_write
+from torchacc._utils.fs import atomic_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -54,19 +54,19 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any, *, defaultdict_as_d
     return obj
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj`` (as :func:`map_tensors` visits them), without building anything."""
-    if isinstance(obj, torch.Tensor):
+def iter_tensors(obj: Any, *, kind: type = torch.Tensor) -> Iterator[Any]:
+    """Every tensor (or every leaf of type ``kind``) in ``obj``, in :func:`map_tensors`'s order, building nothing."""
+    if isinstance(obj, kind):
         yield obj
     elif isinstance(obj, Mapping):
         for value in obj.values():
-            yield from iter_tensors(value)
+            yield from iter_tensors(value, kind=kind)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from iter_tensors(value)
+            yield from iter_tensors(value, kind=kind)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name, None))
+            yield from iter_tensors(getattr(obj, f.name, None), kind=kind)
 
 
 def _rebuild_mapping(original: Mapping, values: dict[Any, Any]) -> Any:

@@ -12,10 +12,10 @@ import json
 import os
 from typing import Any
 
-from ..dist import env
+from .._utils.fs import atomic_write_text, describe_os_error
+from ..distributed import env
 from ..distributed.collectives import all_gather_object, broadcast, raise_on_any_rank
 from ._format.file_ranges import file_crc32
-from .files import atomic_write_text, describe_os_error
 
 __all__ = ["MANIFEST", "file_crc32", "record", "verify"]
 

@@ -12,11 +12,11 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._utils.fs import atomic_write_text, describe_os_error, fsync_dir, remove_stale_temps
 from ._safe_load import UnsafeFileError, decode, encode
-from .files import atomic_write_text, describe_os_error, fsync_dir, remove_stale_temps
 
-__all__ = ["LATEST", "MARKER", "check_save_args", "check_extra", "next_tag", "clean_leftovers", "publish"]
-__all__ += ["describe_failure", "find_short_file", "swap_in", "write_marker", "is_marked"]
+__all__ = ["LATEST", "MARKER", "check_save_args", "check_extra", "next_tag", "clean_leftovers", "point_latest"]
+__all__ += ["describe_failure", "find_short_file", "swap_in", "write_marker", "is_marked", "fsync_dir"]
 
 LATEST = "latest"
 MARKER = "torchacc-checkpoint.json"  # written into every save_checkpoint directory: see is_marked
@@ -107,7 +107,13 @@ def clean_leftovers(directory: str) -> None:
 
 def swap_in(staging: str, final: str, replaced: str) -> None:
     """Rename the finished ``staging`` to ``final``. A previous ``final`` is moved to ``replaced`` first (and
-    moved back if the rename fails); the caller removes ``replaced`` once nothing points at it."""
+    moved back if the rename fails); the caller removes ``replaced`` once nothing points at it. A ``replaced``
+    left by an interrupted swap is dropped when ``final`` exists, else it is the version to move aside."""
+    if os.path.exists(replaced):
+        if os.path.exists(final):
+            shutil.rmtree(replaced)
+        else:
+            os.replace(replaced, final)
     if os.path.exists(final):
         os.replace(final, replaced)
     try:
@@ -118,18 +124,14 @@ def swap_in(staging: str, final: str, replaced: str) -> None:
         raise
 
 
-def publish(directory: str, tag: str, staging: str, final: str) -> None:
-    """Rename the finished staging directory to ``final``, then move ``latest`` to it (rank 0)."""
-    replaced = os.path.join(directory, f".{tag}.replaced")
-    swap_in(staging, final, replaced)
-    fsync_dir(directory)
+def point_latest(directory: str, tag: str) -> None:
+    """Move the ``latest`` pointer of ``directory`` to ``tag``, atomically (rank 0)."""
     latest = os.path.join(directory, LATEST)
     try:
         atomic_write_text(latest, tag)
     except OSError as exc:
         exc.filename = exc.filename or latest  # a write() error names no file
         raise
-    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def describe_failure(exc: BaseException, path: str) -> str:

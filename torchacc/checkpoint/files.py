@@ -1,24 +1,12 @@
 """``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable.
 
-[Note: atomic files] A file is written under a temporary name beside its target, flushed to disk,
-then renamed over the target, so a crash (or SIGKILL) mid-save never leaves a half-written file
-under the final name. The temporary name holds the host, the process id and a random part, so writers
-of one path on several nodes of a shared file system never touch each other's files: each renames its
-own complete file, and the last rename wins. A save removes only temporaries that a dead process of its
-own host left behind.
-
 [Note: checksums] ``torch.save`` writes a zip archive that records a CRC-32 of every member, so a
 truncated or bit-flipped file is detected by ``verify_file`` without any sidecar file.
 """
 
-import contextlib
-import errno
-import glob
 import os
 import pickle
 import re
-import secrets
-import socket
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -26,16 +14,16 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._utils.fs import atomic_write, describe_os_error
 from .._utils.tree import map_tensors
-from ..dist import env
+from ..distributed import env
 from ..distributed.collectives import all_gather_object, meet, raise_on_any_rank
 from ._format.file_ranges import corrupt_member_message, file_crc32
 from ._format.zip import record_table
 from ._safe_load import refusal
+from .state import gather_full
 
-__all__ = ["save", "load", "verify_file", "atomic_write", "atomic_write_text", "publish", "temp_path", "fsync_dir"]
-__all__ += ["remove_stale_temps"]
-__all__ += ["describe_os_error"]
+__all__ = ["save", "load", "verify_file"]
 
 
 def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, global_master: bool = False) -> None:
@@ -50,8 +38,9 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
     Args:
         obj: a tensor or a nest of dicts (``defaultdict`` too), lists, tuples and dataclasses holding tensors
             and plain values, e.g. ``optimizer.state_dict()``.
-        path: the file to write, atomically (see [Note: atomic files]). With ``master_only=False`` it may be
-            a directory (existing, or ending in ``/``): each rank then writes ``path/rank-R-of-W.pth``.
+        path: the file to write, atomically (see [Note: atomic files] in ``torchacc._utils.fs``). With
+            ``master_only=False`` it may be a directory (existing, or ending in ``/``): each rank then writes
+            ``path/rank-R-of-W.pth``.
         master_only: only the master writes (see ``global_master``); False: every rank writes.
         global_master: with ``master_only``, only global rank 0 writes (True) or the first rank of
             every node (False, TorchAcc's default, for node-local disks).
@@ -77,14 +66,11 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
         _refuse_shared_path(path, what)
     writes = not master_only or env.is_master_ordinal(local=not global_master)
 
-    def to_cpu(tensor: torch.Tensor) -> torch.Tensor | None:
-        # With writes=False only the gathers run (ranks that do not write still take part in them).
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor() if master_only else tensor.to_local()
-        return tensor.detach().cpu() if writes else None
-
     # A defaultdict (optimizer.state) is written as a dict: weights_only loading cannot rebuild one.
-    data = map_tensors(to_cpu, obj, defaultdict_as_dict=True)
+    if master_only:  # every rank takes part in the gathers; only the writers keep the result
+        data = gather_full(obj, keep=writes, defaultdict_as_dict=True)
+    else:
+        data = map_tensors(_local_on_cpu, obj, defaultdict_as_dict=True)
     error = None
     if writes:
         try:
@@ -92,6 +78,10 @@ def save(obj: Any, path: str | os.PathLike[str], master_only: bool = True, globa
         except Exception as exc:  # reported to every rank below instead of hanging them
             error = describe_os_error(exc, path)
     raise_on_any_rank(error, what=what)
+
+
+def _local_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().cpu()
 
 
 _COLLECTIVE_HINT = (
@@ -192,110 +182,3 @@ def _read_member(archive: zipfile.ZipFile, name: str) -> None:
                 pass
     except zipfile.BadZipFile:  # a bad CRC-32, or a damaged member header
         raise _CorruptMember(name) from None
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None], *, sync: bool = True) -> None:
-    """Call ``write(tmp_path)``, then move the finished file to ``path`` (see [Note: atomic files]).
-
-    Args:
-        path: the final name.
-        write: writes the complete file to the temporary path it is given.
-        sync: fsync the file before the rename (see ``publish``).
-
-    Raises:
-        Whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
-    """
-    path = os.fspath(path)
-    remove_stale_temps(path)
-    tmp = temp_path(path)
-    try:
-        write(tmp)
-        publish(tmp, path, sync=sync)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write the small text file ``path`` atomically (see [Note: atomic files])."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    atomic_write(path, write)
-
-
-_HOST = re.sub(r"[^\w.]", "_", socket.gethostname()) or "host"
-_TEMP = re.compile(r"\.tmp-(\d+)@(.+)-[0-9a-f]{8}$")
-
-
-def temp_path(path: str | os.PathLike[str]) -> str:
-    """A new temporary name beside ``path``, unique to this host, process and call (see [Note: atomic files])."""
-    return f"{os.fspath(path)}.tmp-{os.getpid()}@{_HOST}-{secrets.token_hex(4)}"
-
-
-def remove_stale_temps(path: str | os.PathLike[str]) -> None:
-    """Remove the temporaries of ``path`` that processes of this host left when they died; never another host's."""
-    path = os.fspath(path)
-    for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):
-        found = _TEMP.search(stale[len(path) :])
-        if found and found.group(2) == _HOST and not _alive(int(found.group(1))):
-            _remove_quietly(stale)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a live process of another user
-        return True
-    return True
-
-
-def publish(tmp: str, path: str | os.PathLike[str], *, sync: bool = True) -> None:
-    """Flush the finished file ``tmp`` to disk and rename it to ``path`` (and flush the directory entry).
-
-    ``sync=False`` only renames: a crash of the process still never exposes a partial file, but after a
-    power cut ``path`` may hold data the disk never received (as after ``torch.save``).
-    """
-    if sync:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if sync:
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Flush ``directory``'s entries (renames, new files) to disk."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def describe_os_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
-    """One line saying what went wrong writing ``path`` and how to fix it."""
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    code = getattr(exc, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on the device of {parent!r} while writing {path!r} ({exc}); free space and save again"
-    if not os.path.isdir(parent):
-        existing = parent
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            return f"{existing!r} is a file, not a directory, so {path!r} cannot be written; fix the path"
-        return f"the directory {parent!r} does not exist; create it first (os.makedirs) or fix the path {path!r}"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{path!r} is not writable ({exc}); choose a writable directory or fix its permissions"
-    return f"{type(exc).__name__} writing {path!r}: {exc}"
-
-
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)

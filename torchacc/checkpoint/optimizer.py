@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .state import check_shard_metadata
+from .state import check_shard_metadata, dtensor_like, gather_full
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "watch_optimizers", "attach_load_hook", "shard_like"]
 
@@ -63,8 +63,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full
     state = {}
     for index, values in raw["state"].items():
         state[names[index]] = {
-            key: (value.full_tensor().cpu() if full and isinstance(value, DTensor) else value)
-            for key, value in values.items()
+            key: (gather_full(value) if full and isinstance(value, DTensor) else value) for key, value in values.items()
         }
     groups = [{**group, "params": [names[i] for i in group["params"]]} for group in raw["param_groups"]]
     return {"state": state, "param_groups": groups}
@@ -126,21 +125,18 @@ def shard_like(param: torch.Tensor, name: str, key: str, value: Any, meta: dict[
     """
     if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
-    value = value.to(param.device)
-    if value.shape == param.shape:
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    if value.dim() == 0:  # per-parameter scalars such as Adam's step
+    if value.dim() == 0 and param.dim() > 0:  # per-parameter scalars such as Adam's step
         return value
-    local = param.to_local().shape
-    if value.shape != local or meta is None:
-        hint = "pass the shard_metadata= saved with it to" if value.shape == local else "load it with"
+    converted = dtensor_like(param, value, local=meta is not None)
+    if converted is None:
+        hint = "pass the shard_metadata= saved with it to" if value.shape == param.to_local().shape else "load it with"
         raise ValueError(
             f"optimizer state {name}:{key} has shape {tuple(value.shape)}, not the full shape {tuple(param.shape)} "
             f"of parameter {name!r}; it does not belong to this model's parameters: {hint} "
             "torchacc.load_optim_state_dict(model, optimizer, state, shard_metadata=...), or consolidate the "
             "optimizer shards first"
         )
-    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return converted
 
 
 _watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()

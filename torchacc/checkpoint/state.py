@@ -15,9 +15,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..dist import env
+from .._utils.tree import map_tensors
+from ..distributed import env
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
+__all__ += ["dtensor_like", "gather_full"]
 
 FORMAT = "torchacc-shards/1"
 
@@ -152,23 +154,54 @@ def check_shard_metadata(meta: dict[str, Any]) -> None:
         )
 
 
-def _to_dtensor(key: str, value: torch.Tensor, target: DTensor, meta: dict[str, Any] | None) -> DTensor:
+def gather_full(obj: Any, *, keep: bool = True, defaultdict_as_dict: bool = False) -> Any:
+    """``obj`` with every DTensor gathered to its full tensor and every tensor moved to the CPU.
+
+    The one "gather to full" path. Every rank must call it (each DTensor is one collective, in a fixed
+    order); a rank that ``keep=False`` takes part in the gathers but keeps nothing (its tensors become None).
+    ``defaultdict_as_dict`` is as in ``torchacc._utils.tree.map_tensors``.
+    """
+
+    def full(tensor: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return tensor.detach().cpu() if keep else None
+
+    return map_tensors(full, obj, defaultdict_as_dict=defaultdict_as_dict)
+
+
+def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -> DTensor | None:
+    """``value`` as a DTensor laid out like ``target``, without communication; None if it fits neither way.
+
+    A full-shaped ``value`` is cut to this rank's piece; with ``local``, a ``value`` of this rank's local
+    shape is taken as that piece. The one converter for model and optimizer state.
+    """
     value = value.to(target.device)
+    if value.shape == target.shape:
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    if local and value.shape == target.to_local().shape:
+        return DTensor.from_local(
+            value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
+        )
+    return None
+
+
+def _to_dtensor(key: str, value: torch.Tensor, target: DTensor, meta: dict[str, Any] | None) -> DTensor:
     if meta is not None:
         entry = meta["tensors"].get(key)
         local = list(target.to_local().shape)
-        if entry is None or entry["local_shape"] != local or list(value.shape) != local:
+        converted = dtensor_like(target, value, local=True) if entry and entry["local_shape"] == local else None
+        if converted is None or list(value.shape) != local:
             saved = None if entry is None else entry["local_shape"]
             raise ValueError(
                 f"{key}: the saved local shard has shape {saved} but this rank holds {local} (a different sharding "
                 "layout); consolidate the shards and load the full state dict instead"
             )
-        return DTensor.from_local(
-            value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
-        )
-    if value.shape != target.shape:
+        return converted
+    converted = dtensor_like(target, value)
+    if converted is None:
         raise ValueError(
             f"{key}: got shape {tuple(value.shape)}, expected the full shape {tuple(target.shape)}; to load this "
             "rank's local shards pass shard_metadata= (the dict saved with them by model.get_shard_metadata())"
         )
-    return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return converted

@@ -3,9 +3,9 @@
 The data path, by concept:
 
 * sampling: :func:`shard_dataloader` (this module) rebuilds the loader around a resumable
-  ``DistributedSampler`` (``torchacc/_resumable_sampler.py``);
-* iteration and resume position: :class:`ShardedDataLoader` (``torchacc/data_loader.py``);
-* device placement: :func:`move_to_device` and the CUDA side-stream prefetch (``torchacc/data_placement.py``).
+  ``DistributedSampler`` (``torchacc/data/sampler.py``);
+* iteration and resume position: :class:`ShardedDataLoader` (``torchacc/data/loader.py``);
+* device placement: :func:`move_to_device` and the CUDA side-stream prefetch (``torchacc/data/placement.py``).
 
 All three public names are importable from here.
 

@@ -1,9 +1,9 @@
 """``ShardedDataLoader``: iterate one rank's batches on its device, and save or restore the position.
 
-``shard_dataloader`` (``torchacc/data.py``) builds it; batches reach the device through
-``place_batches`` (``torchacc/data_placement.py``). ``ShardedDataLoader.state_dict``/``load_state_dict``
+``shard_dataloader`` (``torchacc/data/__init__.py``) builds it; batches reach the device through
+``place_batches`` (``torchacc/data/placement.py``). ``ShardedDataLoader.state_dict``/``load_state_dict``
 save and restore the position in the data; see [Note: Resuming mid-epoch] in
-``torchacc._resumable_sampler`` for how a position carries over to a different number of ranks.
+``torchacc.data.sampler`` for how a position carries over to a different number of ranks.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ShardedDataLoader:
         samples of the epoch not consumed yet are split anew over the current ranks: each is seen
         once (plus the usual padding by repeating some of them, or minus the usual tail with
         ``drop_last``), and none already consumed in this epoch is seen again; see [Note: Resuming
-        mid-epoch] in ``torchacc._resumable_sampler``. An unsharded loader (``shard=False``) cannot
+        mid-epoch] in ``torchacc.data.sampler``. An unsharded loader (``shard=False``) cannot
         skip indices, so its next pass reads and discards the consumed batches.
 
         Args:
@@ -212,7 +212,7 @@ class ShardedDataLoader:
         self._epoch = epoch
 
     def _take_user_epoch(self) -> None:
-        # See [Note: The set_epoch idiom] in torchacc._sampler_epoch.
+        # See [Note: The set_epoch idiom] in torchacc.data._epoch.
         epoch = take_user_epoch(self.loader.sampler)
         if epoch is not None:
             self.set_epoch(epoch)

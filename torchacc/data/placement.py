@@ -1,15 +1,16 @@
 """Place batches on the device: move nested containers of tensors, optionally copying ahead on CUDA.
 
-``ShardedDataLoader`` (``torchacc/data_loader.py``) sends every pass through :func:`place_batches`.
+``ShardedDataLoader`` (``torchacc/data/loader.py``) sends every pass through :func:`place_batches`.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from .._utils.tree import iter_tensors, map_tensors
 
 __all__ = ["move_to_device", "place_batches"]
 
@@ -19,8 +20,9 @@ _END = object()
 def move_to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
     """Recursively move every tensor in ``batch`` to ``device``; other values pass through.
 
-    Dicts and other mappings (including HF ``BatchEncoding``), lists, tuples and namedtuples are
-    rebuilt with their original type where that type can be rebuilt, else as a plain dict/list/tuple.
+    Dicts and other mappings (including HF ``BatchEncoding`` and ``defaultdict``), lists, tuples,
+    namedtuples and dataclasses are rebuilt with their original type where that type can be rebuilt,
+    else as a plain dict/list/tuple (see ``torchacc._utils.tree.map_tensors``).
 
     Args:
         batch: A tensor or a nested container of tensors.
@@ -36,33 +38,12 @@ def move_to_device(batch: Any, device: torch.device, *, non_blocking: bool = Fal
         >>> moved = move_to_device(batch, torch.device("cpu"))
     """
     device = torch.device(device)
-    if isinstance(batch, torch.Tensor):
-        async_ok = non_blocking and device.type == "cuda" and batch.device.type == "cpu" and batch.is_pinned()
-        return batch.to(device, non_blocking=async_ok)
-    if isinstance(batch, Mapping):
-        moved = {k: move_to_device(v, device, non_blocking=non_blocking) for k, v in batch.items()}
-        if isinstance(batch, MutableMapping):
-            # A shallow copy keeps constructor state that type(batch)(moved) would lose
-            # (defaultdict's factory, BatchEncoding's encodings).
-            try:
-                clone = copy.copy(batch)
-                clone.update(moved)
-                return clone
-            except (TypeError, AttributeError):
-                pass
-        try:
-            return type(batch)(moved)
-        except TypeError:
-            return moved
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to_device(v, device, non_blocking=non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        moved_seq = [move_to_device(v, device, non_blocking=non_blocking) for v in batch]
-        try:
-            return type(batch)(moved_seq)
-        except TypeError:
-            return tuple(moved_seq) if isinstance(batch, tuple) else moved_seq
-    return batch
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        async_ok = non_blocking and device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned()
+        return tensor.to(device, non_blocking=async_ok)
+
+    return map_tensors(move, batch)
 
 
 def place_batches(batches: Iterable[Any], device: torch.device, *, prefetch: bool) -> Iterator[Any]:
@@ -81,17 +62,6 @@ def place_batches(batches: Iterable[Any], device: torch.device, *, prefetch: boo
     if prefetch and device.type == "cuda":
         return _prefetch(iter(batches), device)
     return (move_to_device(batch, device, non_blocking=True) for batch in batches)
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
 
 
 def _prefetch(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
@@ -113,7 +83,7 @@ def _prefetch(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
         current_stream = torch.cuda.current_stream(device)
         current_stream.wait_stream(stream)
         batch = upcoming
-        for tensor in _tensors(batch):
+        for tensor in iter_tensors(batch):
             if tensor.device.type == "cuda":
                 tensor.record_stream(current_stream)
         upcoming = load()

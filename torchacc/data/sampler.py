@@ -145,7 +145,7 @@ class ResumableDistributedSampler(DistributedSampler):
         split_start: Entries of the epoch's global order taken before the current split began.
         skip: Leading samples of this rank's share of the split that the next pass leaves out.
         requested_epoch: The epoch of the latest :meth:`set_epoch` call that the loader has not taken
-            yet, or None; see [Note: The set_epoch idiom] in ``torchacc._sampler_epoch``.
+            yet, or None; see [Note: The set_epoch idiom] in ``torchacc.data._epoch``.
     """
 
     def __init__(

@@ -26,8 +26,8 @@ def build_mesh(*, device_type: str, dp_size: int, fsdp_size: int, topology: Sequ
         topology: the axes outermost first, a permutation of ``("dp", "fsdp")``.
 
     Returns:
-        A 1-D mesh named ``("fsdp",)`` when ``dp_size == 1``, a 1-D mesh named ``("dp",)`` when
-        ``fsdp_size == 1``, otherwise a 2-D mesh named ``("dp", "fsdp")`` (HSDP).
+        A 1-D mesh named ``("fsdp",)`` when ``dp_size == 1``, otherwise a 2-D mesh named ``("dp", "fsdp")``
+        (HSDP). Plain DP (``fsdp_size == 1``) needs no mesh: DDP replicates over the default group.
 
     Raises:
         ValueError: ``topology`` is not a permutation of the two axes.
@@ -37,9 +37,8 @@ def build_mesh(*, device_type: str, dp_size: int, fsdp_size: int, topology: Sequ
     """
     if sorted(topology) != sorted(AXES):
         raise ValueError(f"topology={list(topology)} must be a permutation of {list(AXES)}")
-    if dp_size == 1 or fsdp_size == 1:
-        name = "fsdp" if dp_size == 1 else "dp"
-        return init_device_mesh(device_type, (dp_size * fsdp_size,), mesh_dim_names=(name,))
+    if dp_size == 1:
+        return init_device_mesh(device_type, (fsdp_size,), mesh_dim_names=("fsdp",))
     sizes = {"dp": dp_size, "fsdp": fsdp_size}
     ranks = torch.arange(dp_size * fsdp_size).reshape([sizes[axis] for axis in topology])
     if list(topology) != list(AXES):

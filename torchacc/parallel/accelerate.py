@@ -5,7 +5,7 @@ Order of work: validate the config, the model, the loader and the optimizer with
 error, so that a mistake (even one made on one rank only) raises on every rank instead of hanging
 -> mesh -> the engine (activation checkpointing -> compile -> ``fully_shard`` bottom-up then the
 root, or DDP -> meta-device materialization -> mixed precision) -> optimizer remap. The engine
-(``torchacc/engine.py``) is shared with ``FSDP2Strategy``.
+(``torchacc/parallel/engine.py``) is shared with ``FSDP2Strategy``.
 """
 
 import os
@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader
 
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
-from ..dist import env
-from .engine import agree_on_config, make_mesh, plan_model, remap_optimizer, report_config_error, shard_model
+from ..distributed import env
+from .agree import agree_on_config, report_config_error
+from .engine import remap_optimizer, shard_model
+from .plan import make_mesh, plan_model
 
 __all__ = ["accelerate"]
 

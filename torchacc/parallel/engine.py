@@ -1,22 +1,18 @@
 """The sharding engine behind both ``accelerate()`` and ``FSDP2Strategy``: one code path.
 
-``plan_model`` checks everything about the model without communicating; ``make_mesh`` builds the
-device mesh; ``shard_model`` applies activation checkpointing, compilation, sharding (or DDP),
-meta-device materialization and mixed precision, in that order; ``remap_optimizer`` moves an
-optimizer built too early onto the sharded parameters.
+After ``plan.py`` has checked the model and built the mesh, ``shard_model`` applies activation
+checkpointing, compilation, sharding (or DDP), meta-device materialization and mixed precision, in that
+order; ``remap_optimizer`` moves an optimizer built too early onto the sharded parameters.
 
 [Note: shard before moving] Under FSDP the model is not moved to the device as a whole: a 70B model
 would not fit on one GPU, and CPU offload would be defeated. ``fully_shard`` moves each unit's
 parameters to the mesh's device as it shards it (bottom-up, one unit at a time), as TorchTitan relies on.
 """
 
-import hashlib
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,27 +24,18 @@ from .._utils.logging import warn_once
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
 from ..config import Config
-from ..config._io import fmt
-from ..dist import env
-from ..distributed.collectives import all_gather_object, broadcast, sync_tensors
-from ..distributed.mesh import build_mesh
+from ..distributed.collectives import broadcast, sync_tensors
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
 from .activation_checkpoint import apply_activation_checkpointing
-from .fsdp import check_units, is_wrapped, resolve_module_classes, wrap_ddp, wrap_fsdp
+from .fsdp import wrap_ddp, wrap_fsdp
+from .init_from import load_weights
 from .memory_report import log_summary
-from .meta_init import check_materializable, has_meta_params, load_weights, materialize
+from .meta_init import materialize
+from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
 
-__all__ = [
-    "AcceleratedState",
-    "ModelPlan",
-    "plan_model",
-    "agree_on_config",
-    "make_mesh",
-    "shard_model",
-    "remap_optimizer",
-]
+__all__ = ["AcceleratedState", "ParallelizeFn", "shard_model", "remap_optimizer"]
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], nn.Module | None]
 
@@ -63,127 +50,6 @@ class AcceleratedState:
     fsdp_size: int
     compute_dtype: torch.dtype | None
     run_id: str  # new for each accelerated model, the same on all its ranks; recorded in its shard metadata
-
-
-@dataclass(frozen=True)
-class ModelPlan:
-    """The resolved classes and checks for one model; built before any collective."""
-
-    wrap_classes: frozenset[type[nn.Module]]
-    gc_classes: frozenset[type[nn.Module]]
-    meta: bool
-
-
-def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optimizer | None = None) -> ModelPlan:
-    """Check ``model`` (and ``optimizer``) against ``config``; no communication.
-
-    Raises:
-        ValueError: an already accelerated model, an unknown wrap or checkpoint class (listing the model's
-            classes), a meta-device model that cannot be initialized, an optimizer holding other parameters.
-        TypeError: ``optimizer`` is not an optimizer.
-    """
-    if hasattr(model, "_torchacc") or is_wrapped(model):
-        raise ValueError(
-            f"{type(model).__name__} is already accelerated (sharded or replicated); call torchacc.accelerate() "
-            "once per model, on the plain model"
-        )
-    meta = has_meta_params(model)
-    if meta:
-        check_materializable(model, config.dist.fsdp.init_from)
-    elif any(b.is_meta for b in model.buffers()):
-        check_materializable(model, None)
-    wrap = resolve_module_classes(model, config.dist.fsdp.wrap_layer_cls, what="dist.fsdp.wrap_layer_cls")
-    gc: set[type[nn.Module]] = set()
-    if config.memory.gc:
-        what = "memory.gc_cls" if config.memory.gc_cls else "dist.fsdp.wrap_layer_cls"
-        gc = resolve_module_classes(model, config.memory.gc_cls or config.dist.fsdp.wrap_layer_cls, what=what)
-    if config.dist.fsdp.size > 1:
-        check_units(model, wrap)
-    if config.compute.compile and not wrap:
-        raise ValueError("compute.compile=True compiles each dist.fsdp.wrap_layer_cls block; set wrap_layer_cls too")
-    names = {param: name for name, param in model.named_parameters()}
-    if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        foreign = [p for group in optimizer.param_groups for p in group["params"] if p not in names]
-        if foreign:
-            raise ValueError(
-                f"optimizer holds {len(foreign)} parameter(s) that are not parameters of {type(model).__name__} "
-                f"(first has shape {tuple(foreign[0].shape)}); build the optimizer from model.parameters()"
-            )
-    return ModelPlan(frozenset(wrap), frozenset(gc), meta)
-
-
-def agree_on_config(config: Config, error: Exception | None) -> None:
-    """Meet every rank once, before any other collective, and raise the same error everywhere when the ranks
-    disagree on the config or one of them found it invalid.
-
-    Ranks with different configs would build different meshes or units and die in a collective (a gloo
-    abort, or a hang); a config error on one rank only would leave the others waiting. Every rank must call
-    it, after ``env.init_distributed``; it does nothing in a world of one.
-
-    Args:
-        config: this rank's config.
-        error: the error this rank's validation raised, or None.
-
-    Raises:
-        ValueError: naming the fields that differ (with each rank's value), or another rank's error.
-    """
-    if not env.is_distributed():
-        return
-    flat = _flatten(config.to_dict())
-    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
-    reports = all_gather_object((digest, None if error is None else f"{type(error).__name__}: {error}"))
-    if len({d for d, _ in reports}) > 1:
-        configs = all_gather_object(flat)
-        differing = sorted(k for k in set().union(*configs) if len({repr(c.get(k)) for c in configs}) > 1)
-        details = "; ".join(
-            f"{key}: " + ", ".join(f"rank {r}={fmt(c.get(key))}" for r, c in enumerate(configs)) for key in differing
-        )
-        raise ValueError(
-            f"the ranks were given different configs ({details}); every rank must build the same torchacc.Config: "
-            "set these fields outside any rank-dependent branch"
-        )
-    failed = [(rank, message) for rank, (_, message) in enumerate(reports) if message]
-    if failed and error is None:
-        rank, message = failed[0]
-        raise ValueError(f"rank {rank} stopped at its checks before any collective: {message}")
-
-
-def report_config_error(config: Config, error: Exception) -> None:
-    """Share an error this rank's checks raised (config, model, loader) with the others before raising it.
-
-    With a config that differs between ranks, the other ranks may not have failed and would wait for this
-    one. Call it only in a job of several ranks; it returns when there is no process group to share through.
-
-    Raises:
-        ValueError: the ranks' configs differ (naming the fields).
-    """
-    try:
-        env.init_distributed()
-    except (ValueError, RuntimeError):
-        return  # the launch itself is broken: the caller reports its own error
-    agree_on_config(config, error)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def make_mesh(config: Config, *, world_size: int, device: torch.device) -> DeviceMesh | None:
-    """The mesh ``fully_shard`` uses, or None when nothing is sharded (plain DP, or one process)."""
-    if config.dist.fsdp.size == 1:
-        return None
-    dp_size = config.resolved_dp_size(world_size)
-    return build_mesh(
-        device_type=device.type, dp_size=dp_size, fsdp_size=config.dist.fsdp.size, topology=config.dist.topology
-    )
 
 
 def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .._utils.logging import warn_once
+from .._utils.tied import tied_names
 
 __all__ = [
     "resolve_module_classes",
@@ -50,18 +51,14 @@ def resolve_module_classes(model: nn.Module, names: Iterable[str], *, what: str)
 
 
 def _modules_with_foreign_params(model: nn.Module, candidates: list[tuple[str, nn.Module]]) -> dict[str, str]:
-    """Candidates sharing a parameter with a module outside them (tied weights), with that parameter's name."""
-    owners: dict[int, list[str]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            owners.setdefault(id(param), []).append(f"{module_name}.{param_name}" if module_name else param_name)
+    """Candidates holding a parameter tied to one outside them, with that parameter's outside name."""
+    pairs = list(tied_names(model.named_parameters(remove_duplicate=False)).items())
     tied: dict[str, str] = {}
-    for name, module in candidates:
+    for name, _ in candidates:
         prefix = f"{name}."
-        for param in module.parameters():
-            outside = [fqn for fqn in owners[id(param)] if not fqn.startswith(prefix)]
-            if outside:
-                tied[name] = outside[0]
+        for alias, owner in pairs:
+            if alias.startswith(prefix) != owner.startswith(prefix):
+                tied[name] = owner if alias.startswith(prefix) else alias
                 break
     return tied
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..dist import env
+from ..distributed import env
 
 __all__ = ["Footprint", "MemoryReport", "memory_report", "log_summary"]
 

@@ -1,41 +1,43 @@
 """``FSDP2Strategy``: the step-by-step API for frameworks and custom trainers.
 
-It is a thin shell over the functions ``accelerate()`` uses (``torchacc/engine.py`` for the model,
-``shard_dataloader`` for data, ``clip_grad_norm_``, the checkpoint modules): one code path. This
-module holds the constructor, the setup (environment, model, data) and the collectives; the rest is
-split by concept:
+It is a thin shell over the functions ``accelerate()`` uses (``torchacc/parallel/engine.py`` for the
+model, ``shard_dataloader`` for data, ``clip_grad_norm_``, the checkpoint modules): one code path. This
+module holds the constructor and the setup (environment, model, data); the rest is split by concept:
 
-* options: checked and written into the ``Config`` by ``torchacc/strategy_options.py``;
-* steps (forward, backward, optimizer step, accumulation): ``StrategyStepsMixin`` (``torchacc/strategy_steps.py``);
-* checkpoints: ``StrategyCheckpointMixin`` (``torchacc/strategy_checkpoint.py``).
+* options: checked and written into the ``Config`` by ``options.py``;
+* device, mesh, ranks and collectives: ``StrategyRuntimeMixin`` (``runtime.py``);
+* steps (forward, backward, optimizer step, accumulation): ``StrategyStepsMixin`` (``steps.py``);
+* checkpoints: ``StrategyCheckpointMixin`` (``checkpoint.py``).
 """
 
 import contextlib
 import copy
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .._utils.logging import warn_once
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
-from ..dist import collectives, env
-from ..parallel.engine import agree_on_config, make_mesh, plan_model, report_config_error, shard_model
+from ..distributed import env
+from ..parallel.agree import agree_on_config, report_config_error
+from ..parallel.engine import shard_model
 from ..parallel.meta_init import init_empty_weights
+from ..parallel.plan import make_mesh, plan_model
 from ..parallel.precision import GradScaler
 from .checkpoint import StrategyCheckpointMixin
 from .options import apply_options, check_options
+from .runtime import StrategyRuntimeMixin
 from .steps import StrategyStepsMixin
 
 __all__ = ["FSDP2Strategy"]
 
 
-class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
+class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpointMixin):
     """Drive FSDP2 training step by step: set up, parallelize, then train with explicit step calls.
 
     Args:
@@ -177,60 +179,20 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
             self.scaler = GradScaler(device)
         self.accumulation_steps = self.train_batch_size // per_step
 
-    def _ready(self) -> dict[str, Any]:
-        if self._env is None:
-            raise RuntimeError("the strategy is not set up yet: call strategy.setup_environment() first")
-        return self._env
-
-    @property
-    def root_device(self) -> torch.device:
-        """This rank's device."""
-        return self._ready()["device"]
-
-    @property
-    def device_mesh(self) -> DeviceMesh | None:
-        """The FSDP/HSDP mesh (None for NO_SHARD and single-process runs)."""
-        return self._ready()["mesh"]
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the job."""
-        self._ready()
-        return env.world_size()
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the job."""
-        self._ready()
-        return env.rank()
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        self._ready()
-        return env.local_rank()
-
-    @property
-    def is_global_zero(self) -> bool:
-        """True on global rank 0."""
-        return self.global_rank == 0
-
     # --- model -----------------------------------------------------------------------------------
 
-    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        """Build the model inside this block: on the meta device when ``empty_init`` (no memory until
-        ``parallelize`` allocates only this rank's shards), normally otherwise."""
-        return init_empty_weights() if empty_init else contextlib.nullcontext()
-
     def init_model_context(self, meta_init: bool = True) -> contextlib.AbstractContextManager:
-        """Like ``tensor_init_context(empty_init=meta_init)``; meta initialization by default."""
-        return self.tensor_init_context(empty_init=meta_init)
+        """Build the model inside this block: on the meta device when ``meta_init`` (the default: no memory
+        until ``parallelize`` allocates only this rank's shards; buffers stay real), normally otherwise."""
+        return init_empty_weights() if meta_init else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Iterator[None]:
-        """Build a model that will be sharded: parameters on the meta device, buffers real."""
-        with init_empty_weights():
-            yield
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Lightning's spelling of ``init_model_context(meta_init=bool(empty_init))``."""
+        return self.init_model_context(meta_init=bool(empty_init))
+
+    def model_sharded_context(self) -> contextlib.AbstractContextManager:
+        """Lightning's spelling of ``init_model_context()``."""
+        return self.init_model_context()
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` (once) and keep it for the step methods; a second call warns and returns it.
@@ -283,24 +245,3 @@ class FSDP2Strategy(StrategyStepsMixin, StrategyCheckpointMixin):
             shard=cfg.shard,
         )
         return self.dataloader
-
-    # --- collectives -----------------------------------------------------------------------------
-
-    def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank (a named rendezvous when ``name`` is given)."""
-        if name is None:
-            collectives.barrier()
-        else:
-            collectives.rendezvous(name)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """``src``'s ``obj`` on every rank."""
-        return collectives.broadcast(obj, src=src)
-
-    def reduce(self, tensor: torch.Tensor | float, reduce_op: str = "mean") -> torch.Tensor | float:
-        """All-reduce a copy of ``tensor`` (or a number) with ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
-        return collectives.reduce(tensor, op=reduce_op)
-
-    def teardown(self) -> None:
-        """Destroy the process group."""
-        env.teardown()

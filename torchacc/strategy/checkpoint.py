@@ -16,12 +16,15 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from .._utils.fs import describe_os_error
 from ..checkpoint import _checksums
-from ..checkpoint._dir import describe_failure, is_marked, swap_in
+from ..checkpoint._dir import describe_failure, is_marked
 from ..checkpoint._safe_load import SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader
-from ..checkpoint.dcp import load_checkpoint, require_latest, save_checkpoint, write_staging
-from ..checkpoint.files import describe_os_error, load, save
-from ..dist import collectives, env
+from ..checkpoint.dcp import save_checkpoint, save_dcp
+from ..checkpoint.dcp_load import load_checkpoint, require_latest
+from ..checkpoint.files import load, save
+from ..checkpoint.state import gather_full
+from ..distributed import collectives, env
 
 __all__ = ["StrategyCheckpointMixin"]
 
@@ -34,13 +37,9 @@ def _dir_bytes(path: str) -> int:
 
 
 def _full_state_on_rank0(model: nn.Module) -> dict[str, Any]:
-    """Gather every tensor (a collective: all ranks call it); rank 0 keeps CPU copies, the others ``{}``."""
-    full = {}
-    for key, value in model.state_dict().items():
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        if env.rank() == 0:
-            full[key] = value.detach().cpu()
-    return full
+    """Every tensor gathered (a collective: all ranks call it); rank 0 keeps CPU copies, the others ``{}``."""
+    state = gather_full(model.state_dict(), keep=env.rank() == 0)
+    return state if env.rank() == 0 else {}
 
 
 class StrategyCheckpointMixin:
@@ -91,27 +90,7 @@ class StrategyCheckpointMixin:
             save(checkpoint, filepath, master_only=True, global_master=True)
             return
         path = os.fspath(filepath)
-        staging, replaced, what = f"{path}.incomplete", f"{path}.replaced", f"save_checkpoint({path!r})"
-        error = None
-        if env.rank() == 0:
-            try:
-                shutil.rmtree(staging, ignore_errors=True)
-                os.makedirs(staging)
-            except OSError as exc:
-                error = describe_os_error(exc, exc.filename or staging)
-        collectives.raise_on_any_rank(error, what=what)
-        error = write_staging(checkpoint, staging)
-        if error is None and env.rank() == 0:
-            try:
-                # The previous version stays whole under .replaced until the new one has its name.
-                shutil.rmtree(replaced, ignore_errors=True)
-                swap_in(staging, path, replaced)
-                shutil.rmtree(replaced, ignore_errors=True)
-            except OSError as exc:
-                error = describe_os_error(exc, exc.filename or path)
-        if error is not None and env.rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        collectives.raise_on_any_rank(error, what=what)
+        save_dcp(checkpoint, path, what=f"save_checkpoint({path!r})")
 
     def load_checkpoint(self, filepath: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
         """Load a checkpoint written by ``save_checkpoint``; its ``"state_dict"`` goes into the model.

@@ -3,7 +3,7 @@
 The options (``sharding_strategy``, ``mp_policy``, ``cpu_offload``, ...) are another spelling of
 ``Config`` fields. :func:`check_options` rejects bad values before anything starts;
 :func:`apply_options` translates the rest into the strategy's own copy of the ``Config``, which the
-shared code path (``torchacc/engine.py``) then reads.
+shared code path (``torchacc/parallel/engine.py``) then reads.
 """
 
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..config import Config
-from ..dist import env
+from ..distributed import env
 
 __all__ = ["SHARDING_STRATEGIES", "apply_options", "check_options"]
 

@@ -7,11 +7,9 @@ internals. Where that check fails the caller falls back to reading the tensors t
 """
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-
+from ..._utils.tree import iter_tensors
 from .zip import record_table
 
 __all__ = ["is_tensor_record", "locate_storages"]
@@ -26,7 +24,7 @@ def locate_storages(path: str, loaded: Any) -> dict[int, tuple[int, int, int, st
     """Map the address of every non-empty storage in ``loaded`` (``torch.load(path, mmap=True)``) to the
     (file offset, size, CRC-32, name) of its record, or None when the two cannot be paired with certainty."""
     storages: dict[int, int] = {}
-    for tensor in _tensors(loaded):
+    for tensor in iter_tensors(loaded):
         storage = tensor.untyped_storage()
         if storage.nbytes():
             storages[storage.data_ptr()] = storage.nbytes()
@@ -40,14 +38,3 @@ def locate_storages(path: str, loaded: Any) -> dict[int, tuple[int, int, int, st
     if any(a - base != o or storages[a] != size for a, (o, size, _, _) in pairs.items()):
         return None
     return pairs
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..._utils.tree import iter_tensors
 from .file_ranges import FileRange
 from .zip import ZipWriter
 
@@ -71,23 +72,12 @@ class StreamingTorchWriter:
         self, path: str | os.PathLike[str], skeleton: Any, *, write_back: bool = True, check_sources: bool = False
     ) -> None:
         buffer = io.BytesIO()
-        self._slots: dict[str, TensorSlot] = {}
         pickler = _Pickler(buffer, protocol=_PICKLE_PROTOCOL)
         pickler.dump(skeleton)
-        self._collect(skeleton)
+        self._slots: dict[str, TensorSlot] = {slot.key: slot for slot in iter_tensors(skeleton, kind=TensorSlot)}
         self._written: set[str] = set()
         self._writer = ZipWriter(path, write_back=write_back, check_sources=check_sources)
         self._writer.add_bytes("data.pkl", buffer.getvalue())
-
-    def _collect(self, obj: Any) -> None:
-        if isinstance(obj, TensorSlot):
-            self._slots[obj.key] = obj
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                self._collect(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                self._collect(value)
 
     def _claim(self, slot: TensorSlot) -> None:
         if slot.key in self._written:

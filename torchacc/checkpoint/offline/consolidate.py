@@ -8,7 +8,6 @@ Memory: returning the full state needs the checkpoint's size (the result) plus o
 straight to a file (``return_state=False``, what the CLI does) needs about one tensor.
 """
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -16,25 +15,23 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..._utils.fs import atomic_write
 from .._format.safetensors_writer import StreamingSafetensorsWriter
 from .._format.torch_writer import StreamingTorchWriter, TensorSlot
-from ..files import atomic_write, publish, temp_path
-from ..state import FORMAT, local_slice
-from ._checks import refuse_output_among_inputs, refuse_writing_into_source
+from ._checks import refuse_output_among_inputs
 from .shard_set import ShardSet, TensorItem, canonical_name, get_path
 
 __all__ = [
     "consolidate",
     "consolidate_sharded_model_checkpoints",
     "consolidate_sharded_optimizer_checkpoints",
-    "reshard_checkpoint",
 ]
 
 MODEL_PATTERN = "rank-*-of-*-model.pth"
 OPTIM_PATTERN = "rank-*-of-*-optim.pth"
 
 
-def _progress(items: list[TensorItem], desc: str, progress: bool | None) -> Iterator[TensorItem]:
+def progress_bar(items: list[TensorItem], desc: str, progress: bool | None) -> Iterator[TensorItem]:
     # progress=None lets tqdm decide (shown on a terminal, silent in logs and tests).
     yield from tqdm(items, desc=desc, unit="tensor", disable=None if progress is None else not progress)
 
@@ -97,7 +94,7 @@ def consolidate(
         return None
     state = shards.skeleton()
     with shards.checking_tensors():
-        for item in _progress(shards.items, "consolidate", progress):
+        for item in progress_bar(shards.items, "consolidate", progress):
             if item not in aliases:
                 _set(state, item.out_path, shards.full_tensor(item))
     for item, first in aliases.items():
@@ -115,7 +112,7 @@ def _set(obj: Any, path: tuple[str, ...], value: Any) -> None:
     get_path(obj, path[:-1])[path[-1]] = value
 
 
-def _slots(
+def plan_slots(
     shards: ShardSet, aliases: dict[TensorItem, TensorItem], meta: dict[str, Any] | None = None
 ) -> tuple[Any, dict[TensorItem, TensorSlot]]:
     """The output skeleton with a ``TensorSlot`` per tensor; tied tensors share their first one's slot.
@@ -137,14 +134,14 @@ def _slots(
 def _write_torch(
     shards: ShardSet, path: str, aliases: dict[str, str], progress: bool | None, **copy_options: bool
 ) -> None:
-    skeleton, slots = _slots(shards, aliases)
+    skeleton, slots = plan_slots(shards, aliases)
     with StreamingTorchWriter(path, {shards.section: skeleton}, **copy_options) as writer:
-        for item in _progress(shards.items, "consolidate", progress):
+        for item in progress_bar(shards.items, "consolidate", progress):
             if item not in aliases:
-                _write_item(writer, slots[item], shards, item)
+                write_item(writer, slots[item], shards, item)
 
 
-def _write_item(
+def write_item(
     writer: StreamingTorchWriter,
     slot: TensorSlot,
     shards: ShardSet,
@@ -167,7 +164,7 @@ def _write_safetensors(
 ) -> None:
     layout = {item.out_path[0]: (item.shape, item.dtype) for item in shards.items}
     writer = StreamingSafetensorsWriter(path, layout, **copy_options)
-    for item in _progress(shards.items, "consolidate", progress):
+    for item in progress_bar(shards.items, "consolidate", progress):
         ranges = shards.byte_ranges(item)
         if ranges is not None:
             writer.copy(item.out_path[0], ranges)
@@ -223,100 +220,3 @@ def consolidate_sharded_optimizer_checkpoints(
     """
     pattern, out = _shard_glob(ckpt_prefix, ckpt_suffix, "consolidated_optim.pth", save_path)
     return consolidate(pattern, section="optimizer", out=out if save_optimizer else None)
-
-
-def _resharded_metadata(shards: ShardSet, rank: int, num_shards: int) -> dict[str, Any]:
-    mesh = {"shape": [num_shards], "dim_names": ["fsdp"], "coordinate": [rank]}
-    tensors = {}
-    for key, entry in shards.metadata.items():
-        key = canonical_name(key)
-        sharded = any(p.startswith("shard:") for p in entry["placements"]) and len(entry["shape"]) > 0
-        placements = ["shard:0"] if sharded else ["replicate"]
-        offset, local = local_slice(tuple(entry["shape"]), placements, mesh["shape"], mesh["coordinate"])
-        tensors[key] = {**entry, "placements": placements, "offset": offset, "local_shape": local}
-    meta = {"format": FORMAT, "world_size": num_shards, "rank": rank, "mesh": mesh, "tensors": tensors}
-    return meta if shards.run_id is None else {**meta, "run_id": shards.run_id}  # still the run that trained it
-
-
-def reshard_checkpoint(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    num_shards: int,
-    verify: bool = True,
-    progress: bool | None = None,
-    sync_files: bool = True,
-) -> list[str]:
-    """Turn the N per-rank files in ``src`` into ``num_shards`` files in ``dst`` for a run of that world size.
-
-    Both the model files (``rank-*-of-*-model.pth``) and, if present, the optimizer files
-    (``rank-*-of-*-optim.pth``) are resharded, FSDP-style (dim 0, ``torch.chunk`` sizes). A run with
-    ``dist.fsdp.size == num_shards`` loads its file with
-    ``model.load_state_dict(ckpt["model"], shard_metadata=ckpt["shard_metadata"])``.
-    ``verify``, ``progress`` and ``sync_files`` are as in :func:`consolidate`.
-
-    Returns:
-        The paths written.
-
-    Raises:
-        ValueError: ``num_shards < 1``, ``dst`` is ``src``, no model shards in ``src`` or a shard-set problem.
-    """
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
-    src, dst = os.fspath(src), os.fspath(dst)
-    refuse_writing_into_source(src, dst, num_shards)
-    sets = [ShardSet(os.path.join(src, MODEL_PATTERN), section="model", verify=verify, check_tensors_later=True)]
-    if any(name.endswith("-optim.pth") for name in os.listdir(src)):
-        optim = ShardSet(os.path.join(src, OPTIM_PATTERN), section="optimizer", verify=verify, check_tensors_later=True)
-        sets.append(optim)
-    os.makedirs(dst, exist_ok=True)
-    finals, tmps = [], []
-    try:  # every file of every section is complete and checked before the first one is published
-        for shards in sets:
-            kind = "model" if shards.section == "model" else "optim"
-            names = [os.path.join(dst, f"rank-{r}-of-{num_shards}-{kind}.pth") for r in range(num_shards)]
-            finals += names
-            tmps += [temp_path(path) for path in names]
-            _reshard_section(shards, tmps[-num_shards:], num_shards, progress, write_back=sync_files)
-        for tmp, final in zip(tmps, finals, strict=True):
-            publish(tmp, final, sync=sync_files)
-    finally:
-        for tmp in tmps:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-    return finals
-
-
-def _reshard_section(
-    shards: ShardSet, tmps: list[str], num_shards: int, progress: bool | None, *, write_back: bool
-) -> None:
-    """Write the ``num_shards`` resharded files of one section to ``tmps``."""
-    aliases = shards.aliases()
-    metas = [_resharded_metadata(shards, r, num_shards) for r in range(num_shards)]
-    writers: list[tuple[StreamingTorchWriter, dict[TensorItem, TensorSlot]]] = []
-    try:
-        with shards.checking_tensors():
-            for meta, tmp in zip(metas, tmps, strict=True):
-                skeleton, slots = _slots(shards, aliases, meta)
-                contents = {shards.section: skeleton, "shard_metadata": meta}
-                writers.append((StreamingTorchWriter(tmp, contents, write_back=write_back), slots))
-            for item in _progress(shards.items, "reshard", progress):
-                if item in aliases:
-                    continue
-                for meta, (writer, slots) in zip(metas, writers, strict=True):
-                    _write_item(writer, slots[item], shards, item, _rows(item, meta))
-            for writer, _ in writers:
-                writer.close()
-    finally:
-        for writer, _ in writers:
-            writer.abort()
-
-
-def _rows(item: TensorItem, meta: dict[str, Any]) -> tuple[int, int] | None:
-    """The dim-0 rows of ``item`` that the resharded rank of ``meta`` holds; None: all of it."""
-    if item.meta_key is None:
-        return None
-    entry = meta["tensors"][canonical_name(item.meta_key)]
-    if not entry["offset"]:
-        return None
-    return entry["offset"][0], entry["offset"][0] + entry["local_shape"][0]

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from ..._utils.fs import temp_path
+from ..._utils.tied import tied_names
 from .._format.safetensors_writer import StreamingSafetensorsWriter
-from ..files import temp_path
 from .consolidate import MODEL_PATTERN
 from .shard_set import ShardSet, canonical_name
 
@@ -25,16 +26,9 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def _dict_source(state: dict[str, torch.Tensor]) -> tuple[Layout, Callable[[str], torch.Tensor]]:
-    seen: set[tuple[int, int]] = set()
-    layout: Layout = {}
-    original: dict[str, str] = {}
-    for key, value in state.items():
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset())
-        if value.numel() and ident in seen:
-            continue  # a tied weight: from_pretrained ties it again
-        seen.add(ident)
-        original[canonical_name(key)] = key
-        layout[canonical_name(key)] = (tuple(value.shape), value.dtype)
+    aliases = tied_names(state.items())  # a tied weight is written once: from_pretrained ties it again
+    original = {canonical_name(key): key for key in state if key not in aliases}
+    layout: Layout = {name: (tuple(state[key].shape), state[key].dtype) for name, key in original.items()}
     return layout, lambda key: state[original[key]]
 
 

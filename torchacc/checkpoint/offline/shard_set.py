@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..._utils.tied import tied_names
 from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
@@ -280,13 +281,6 @@ class ShardSet:
         """Model tensors that share storage with an earlier one in rank 0's file (tied weights): item -> first."""
         if self.section != "model":
             return {}
-        seen: dict[tuple, TensorItem] = {}
-        aliases = {}
-        for item in self.items:
-            value = self._data[0]["model"][item.path[0]]
-            ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
-            if value.numel() and ident in seen:
-                aliases[item] = seen[ident]
-            else:
-                seen.setdefault(ident, item)
-        return aliases
+        by_key = {item.path[0]: item for item in self.items}
+        tied = tied_names((key, self._data[0]["model"][key]) for key in by_key)
+        return {by_key[alias]: by_key[owner] for alias, owner in tied.items()}

@@ -1,0 +1,149 @@
+"""The sections of the torchacc configuration tree, one dataclass each, with a docstring under every field
+(``field_docs`` reads them back for docs/config.md). ``Config`` (``torchacc.config``) holds them."""
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ._io import Node
+
+__all__ = ["ComputeConfig", "MemoryConfig", "DPConfig", "FSDPConfig", "DistConfig", "DataLoaderConfig", "field_docs"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ComputeConfig(Node):
+    """Numeric precision of the forward and backward passes."""
+
+    _path: ClassVar[str] = "compute"
+    bf16: bool = False
+    """Compute in bfloat16 (parameters stay float32). Mutually exclusive with fp16."""
+    fp16: bool = False
+    """Compute in float16 (parameters stay float32). Mutually exclusive with bf16."""
+    compile: bool = False
+    """``torch.compile`` every dist.fsdp.wrap_layer_cls block, after activation checkpointing and before sharding,
+    in place (only its ``forward`` is compiled), so FSDP's hooks still fire and state_dict keys stay unchanged.
+    A Hugging Face model's ``config.use_cache`` is set to False (with a warning): a KV cache makes every block
+    recompile."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryConfig(Node):
+    """Memory savings: activation checkpointing ("gc", gradient checkpointing in TorchAcc's words)."""
+
+    _path: ClassVar[str] = "memory"
+    gc: bool = False
+    """Enable activation checkpointing. gc=True with an empty gc_cls checkpoints the dist.fsdp.wrap_layer_cls layers."""
+    gc_cls: set[str] = field(default_factory=set)
+    """Class names of the layers to checkpoint, e.g. {"GPT2Block"}; empty means dist.fsdp.wrap_layer_cls.
+    Setting it while gc is False is an error."""
+    gc_cnt: int | None = None
+    """Checkpoint only the first N matching layers (in module order); None checkpoints all of them."""
+    gc_interval: int = 1
+    """Selective checkpointing: checkpoint every k-th matching layer (1 checkpoints each one)."""
+    offload_params: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 ``CPUOffloadPolicy``); CUDA
+    only: on a CPU run everything already is in CPU memory, so it is ignored with a warning."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DPConfig(Node):
+    """Data parallelism: model replicas that train on different data."""
+
+    _path: ClassVar[str] = "dist.dp"
+    size: int | None = None
+    """Number of data-parallel replicas; None infers world_size // dist.fsdp.size."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig(Node):
+    """Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``)."""
+
+    _path: ClassVar[str] = "dist.fsdp"
+    size: int = 1
+    """Number of ranks that shard one model replica; 1 disables sharding. Must divide the world size."""
+    wrap_layer_cls: set[str] = field(default_factory=set)
+    """Class names of the layers that each become one FSDP unit, e.g. {"GPT2Block"}; the root is wrapped last."""
+    reshard_after_forward: bool | int = True
+    """Free gathered parameters after forward and gather again in backward (less memory, more communication);
+    False keeps them until backward; an int N reshards to groups of N ranks (a divisor of dist.fsdp.size other
+    than 1 and the size itself, e.g. the ranks of one node), so the backward all-gather stays inside them."""
+    forward_prefetch: int = 0
+    """All-gather the next N units' parameters during forward (explicit prefetching); 0 keeps FSDP2's default."""
+    backward_prefetch: int = 0
+    """All-gather the next N units' parameters during backward; 0 keeps FSDP2's default (one, implicitly)."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter/all-reduce: "float32" (default, exact), "bfloat16" or "float16"."""
+    broadcast_buffers: bool = True
+    """Keep buffers (BatchNorm running statistics) equal on every rank, DDP's knob and default: the buffers that
+    the forward changes are broadcast from rank 0 before each forward (one small broadcast; none for a model whose
+    forward changes no buffer). False lets each rank keep the statistics of its own batches."""
+    sync_module_states: bool = True
+    """Make every rank start from rank 0's parameters and buffers. With FSDP or HSDP the ranks first compare a
+    digest of each tensor, and only the tensors that differ from rank 0's are broadcast (nothing when all ranks
+    built the same model); plain DP leaves it to DDP, which broadcasts them all."""
+    init_from: str | None = None
+    """A consolidated ``.pth`` file or a Hugging Face directory (safetensors) to load the weights from, after
+    sharding: each rank reads only its slices (where only rank 0 can read it, rank 0 sends each tensor). Fills a
+    model built with ``torchacc.init_empty_weights()``, and replaces the weights of a model built normally.
+    None: a meta-device model gets its own init (``reset_parameters``, or the Hugging Face init)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DistConfig(Node):
+    """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
+
+    _path: ClassVar[str] = "dist"
+    dp: DPConfig = field(default_factory=DPConfig)
+    """Data parallelism (replicas)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Fully sharded data parallelism (sharding within one replica)."""
+    topology: list[str] = field(default_factory=lambda: ["dp", "fsdp"])
+    """Order of the parallel axes in the rank layout, outermost first; a permutation of ["dp", "fsdp"].
+    With the default, the ranks that shard one model are contiguous (fsdp innermost)."""
+    timeout: float = 1800.0
+    """Seconds a collective may wait before the job fails (the process-group timeout)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataLoaderConfig(Node):
+    """How torchacc rebuilds the user's DataLoader."""
+
+    _path: ClassVar[str] = "dataloader"
+    shuffle: bool | None = None
+    """Shuffle in the DistributedSampler; None keeps what the user's DataLoader does."""
+    drop_last: bool | None = None
+    """Drop the uneven tail; None keeps the loader's drop_last."""
+    seed: int = 0
+    """DistributedSampler seed; all ranks must use the same one."""
+    prefetch: bool = True
+    """Copy the next batch to the device while the current one computes."""
+    shard: bool = True
+    """Split the dataset across data-parallel ranks; False only places batches on the device."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return the attribute docstring of every field of a config dataclass, read from its source with ``ast``.
+
+    Args:
+        cls: A dataclass such as ``FSDPConfig``.
+
+    Returns:
+        ``{field name: docstring}`` in field order, ``""`` for a field without one.
+
+    Raises:
+        TypeError: If ``cls`` is not a dataclass.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"field_docs expects a dataclass, got {cls!r}")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    body = tree.body if isinstance(tree, ast.ClassDef) else []
+    docs = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else None
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, str):
+            docs[stmt.target.id] = inspect.cleandoc(doc)
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(typing.cast(Any, cls))}

@@ -1,0 +1,78 @@
+"""Where an ``FSDP2Strategy`` runs: this rank's device, the mesh, the ranks, and the collectives.
+
+Read-only after ``setup_environment``; every property raises ``RuntimeError`` before it.
+"""
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..distributed import collectives, env
+
+__all__ = ["StrategyRuntimeMixin"]
+
+
+class StrategyRuntimeMixin:
+    """The runtime properties and collectives of ``FSDP2Strategy``."""
+
+    _env: dict[str, Any] | None
+
+    def _ready(self) -> dict[str, Any]:
+        if self._env is None:
+            raise RuntimeError("the strategy is not set up yet: call strategy.setup_environment() first")
+        return self._env
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+        return self._ready()["device"]
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The FSDP/HSDP mesh (None for NO_SHARD and single-process runs)."""
+        return self._ready()["mesh"]
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        self._ready()
+        return env.world_size()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job."""
+        self._ready()
+        return env.rank()
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        self._ready()
+        return env.local_rank()
+
+    @property
+    def is_global_zero(self) -> bool:
+        """True on global rank 0."""
+        return self.global_rank == 0
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (a named rendezvous when ``name`` is given)."""
+        if name is None:
+            collectives.barrier()
+        else:
+            collectives.rendezvous(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank."""
+        return collectives.broadcast(obj, src=src)
+
+    def reduce(self, tensor: torch.Tensor | float, reduce_op: str = "mean") -> torch.Tensor | float:
+        """All-reduce a copy of ``tensor`` (or a number) with ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``."""
+        return collectives.reduce(tensor, op=reduce_op)
+
+    def teardown(self) -> None:
+        """Destroy the process group."""
+        env.teardown()
