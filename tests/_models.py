@@ -59,3 +59,27 @@ class TinyNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def tiny_llama(seed: int = 0, kind: str = "llama", **overrides):
+    """A 2-layer Llama-style decoder (``kind``: "llama" or "qwen2"), 4 query and 2 key/value heads: its tensor-
+    parallel plan (``model.tp_plan``) comes with the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**cfg))

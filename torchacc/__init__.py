@@ -22,7 +22,7 @@ from .checkpoint.offline.consolidate import consolidate
 from .checkpoint.offline.hf_export import export_hf
 from .checkpoint.offline.reshard import reshard_checkpoint
 from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
-from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig
+from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig, TPConfig
 from .parallel.accelerate import accelerate
 from .parallel.clip_grad import clip_grad_norm_
 from .parallel.memory_report import MemoryReport, memory_report
@@ -39,6 +39,7 @@ __all__ = [
     "DistConfig",
     "DPConfig",
     "FSDPConfig",
+    "TPConfig",
     "DataLoaderConfig",
     "accelerate",
     "init_empty_weights",

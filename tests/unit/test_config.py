@@ -223,8 +223,16 @@ VALIDATE_ERRORS = [
         "dist.dp.size * dist.fsdp.size must equal world size 4, got dist.dp.size=3 * dist.fsdp.size=2 = 6; "
         "set dist.dp.size=2 or leave it None",
     ),
-    (_set("dist.topology", ["dp"]), 4, "dist.topology must be a permutation of ['dp', 'fsdp'], got ['dp']; use"),
-    (_set("dist.topology", ["dp", "dp"]), 4, "dist.topology must be a permutation of ['dp', 'fsdp'], got ['dp', 'dp']"),
+    (
+        _set("dist.topology", ["dp"]),
+        4,
+        "dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got ['dp']; ",
+    ),
+    (
+        _set("dist.topology", ["dp", "dp"]),
+        4,
+        "dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got ['dp', 'dp']",
+    ),
     (_set("dist.timeout", 0), 4, "dist.timeout must be > 0 seconds, got 0.0"),
     (_set("dist.timeout", -1.5), 4, "dist.timeout must be > 0 seconds, got -1.5"),
     (
@@ -391,7 +399,7 @@ def test_from_yaml_errors(tmp_path, text, message):
     ("argv", "message"),
     [
         (["compute.bf17=true"], "compute.bf17: unknown key; valid keys under compute: bf16, fp16"),
-        (["dist.fspd.size=2"], "dist.fspd: unknown key; valid keys under dist: dp, fsdp, topology, timeout"),
+        (["dist.fspd.size=2"], "dist.fspd: unknown key; valid keys under dist: dp, fsdp, tp, topology, timeout"),
         (["dist.fsdp.size=two"], "dist.fsdp.size: expected int, got 'two' (str); use an integer such as 2"),
         (["memory.gc_cnt=1.5"], "memory.gc_cnt: expected int or None, got 1.5 (float)"),
         (["compute.bf16=maybe"], "compute.bf16: expected bool, got 'maybe' (str)"),
@@ -450,6 +458,10 @@ def test_field_tree_snapshot():
         "dist.fsdp.broadcast_buffers: bool = True",
         "dist.fsdp.sync_module_states: bool = True",
         "dist.fsdp.init_from: str | None = None",
+        "dist.tp: TPConfig",
+        "dist.tp.size: int = 1",
+        "dist.tp.plan: str | dict[str, str] = 'auto'",
+        "dist.tp.sequence_parallel: bool = False",
         "dist.topology: list[str] = ['dp', 'fsdp']",
         "dist.timeout: float = 1800.0",
         "dataloader: DataLoaderConfig",
@@ -470,6 +482,7 @@ def test_all_snapshot():
         "DistConfig",
         "FSDPConfig",
         "MemoryConfig",
+        "TPConfig",
         "field_docs",
     ]
 

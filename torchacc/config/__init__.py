@@ -27,10 +27,20 @@ from .sections import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    TPConfig,
     field_docs,
 )
 
-__all__ = ["ComputeConfig", "Config", "DPConfig", "DataLoaderConfig", "DistConfig", "FSDPConfig", "MemoryConfig"]
+__all__ = [
+    "ComputeConfig",
+    "Config",
+    "DPConfig",
+    "DataLoaderConfig",
+    "DistConfig",
+    "FSDPConfig",
+    "MemoryConfig",
+    "TPConfig",
+]
 __all__ += ["field_docs"]  # reused by the docs generator
 
 
@@ -75,25 +85,37 @@ class Config(Node):
             raise ValueError(
                 "compute.bf16 and compute.fp16 are both True, but they exclude each other; set one to False"
             )
-        if fsdp < 1:
-            raise ValueError(f"dist.fsdp.size must be >= 1, got {fsdp}; use 1 to disable sharding")
+        tp = d.tp.size
+        for name, size, what in (("fsdp", fsdp, "sharding"), ("tp", tp, "tensor parallelism")):
+            if size < 1:
+                raise ValueError(f"dist.{name}.size must be >= 1, got {size}; use 1 to disable {what}")
         divisors = f"choose a divisor of {ws}: {', '.join(str(n) for n in range(1, ws + 1) if ws % n == 0)}"
-        if fsdp > ws:
-            raise ValueError(f"dist.fsdp.size={fsdp} exceeds world size {ws}; {divisors}")
-        if ws % fsdp:
-            raise ValueError(f"dist.fsdp.size={fsdp} does not divide world size {ws}; {divisors}")
+        if fsdp * tp > ws:
+            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+            raise ValueError(f"{what} exceeds world size {ws}; {divisors}")
+        if ws % (fsdp * tp):
+            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+            raise ValueError(f"{what} does not divide world size {ws}; {divisors}")
         if dp is not None and dp < 1:
             raise ValueError(f"dist.dp.size must be None or >= 1, got {dp}; leave it None to infer it")
-        if dp is not None and dp * fsdp != ws:
+        if dp is not None and dp * fsdp * tp != ws:
+            product = f"dist.dp.size={dp} * dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp}" if tp > 1 else "")
             raise ValueError(
-                f"dist.dp.size * dist.fsdp.size must equal world size {ws}, got dist.dp.size={dp} * "
-                f"dist.fsdp.size={fsdp} = {dp * fsdp}; set dist.dp.size={ws // fsdp} or leave it None to infer it"
+                f"dist.dp.size * dist.fsdp.size{' * dist.tp.size' if tp > 1 else ''} must equal world size {ws}, "
+                f"got {product} = {dp * fsdp * tp}; set dist.dp.size={ws // (fsdp * tp)} or leave it None to infer it"
             )
-        if sorted(d.topology) != ["dp", "fsdp"]:
+        if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
             raise ValueError(
-                f"dist.topology must be a permutation of ['dp', 'fsdp'], got {d.topology!r}; "
-                "use ['dp', 'fsdp'] (fsdp innermost, the default) or ['fsdp', 'dp']"
+                f"dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got "
+                f"{d.topology!r}; use ['dp', 'fsdp'] (the default: tp innermost, then fsdp) or e.g. ['fsdp', 'dp']"
             )
+        if isinstance(d.tp.plan, str) and d.tp.plan != "auto":
+            raise ValueError(
+                f"dist.tp.plan={d.tp.plan!r} is not supported; use 'auto' (a Hugging Face model's own plan) or a "
+                "mapping of module-name patterns to styles, e.g. {'layers.*.mlp.up_proj': 'colwise'}"
+            )
+        if d.tp.sequence_parallel and tp == 1:
+            raise ValueError("dist.tp.sequence_parallel=True needs dist.tp.size > 1; set dist.tp.size or unset it")
         if not math.isfinite(d.timeout):
             raise ValueError(
                 f"dist.timeout must be a finite number of seconds, got {d.timeout}; a collective that never times "
@@ -133,7 +155,7 @@ class Config(Node):
             )
 
     def resolved_dp_size(self, world_size: int) -> int:
-        """Return ``dist.dp.size``, or ``world_size // dist.fsdp.size`` when it is None.
+        """Return ``dist.dp.size``, or ``world_size // (dist.fsdp.size * dist.tp.size)`` when it is None.
 
         Args:
             world_size: Number of processes in the job.
@@ -145,7 +167,9 @@ class Config(Node):
             ValueError: If ``validate(world_size)`` fails.
         """
         self.validate(world_size)
-        return self.dist.dp.size if self.dist.dp.size is not None else world_size // self.dist.fsdp.size
+        if self.dist.dp.size is not None:
+            return self.dist.dp.size
+        return world_size // (self.dist.fsdp.size * self.dist.tp.size)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""

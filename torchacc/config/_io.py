@@ -21,6 +21,7 @@ _EXAMPLES = {
     float: "a number such as 1800.0",
     set: "a set of class names such as {'GPT2Block'} (in YAML or on the command line: [GPT2Block])",
     list: "a list of str such as ['dp', 'fsdp']",
+    dict: "a mapping of str to str such as {'layers.*.mlp.up_proj': 'colwise'}",
 }
 
 
@@ -177,6 +178,8 @@ def _alternatives(tp: Any) -> tuple[list[Any], bool]:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is dict:
+        return "dict of str to str"
     return f"{origin.__name__} of str" if origin else tp.__name__
 
 
@@ -197,6 +200,8 @@ def _check_one(value: Any, tp: Any) -> tuple[bool, Any]:
         return True, set(value)
     if origin is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return True, list(value)
+    if origin is dict and isinstance(value, Mapping) and all(isinstance(v, str) for v in (*value, *value.values())):
+        return True, dict(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return True, float(value)
     if origin is None and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
@@ -226,6 +231,8 @@ def _schema(cls: type) -> type:
             specs.append((name, _schema(tp), field(default_factory=_schema(tp))))
         elif typing.get_origin(tp) in (set, list):
             specs.append((name, list[str], field(default_factory=functools.partial(list, to_plain(value)))))
+        elif any(typing.get_origin(a) is dict for a in _alternatives(tp)[0]):
+            specs.append((name, Any, field(default=value)))  # OmegaConf has no str-or-mapping union
         else:
             specs.append((name, tp, field(default=value)))
     return dataclasses.make_dataclass(cls.__name__, specs, kw_only=True)

@@ -11,7 +11,16 @@ from typing import Any, ClassVar
 
 from ._io import Node
 
-__all__ = ["ComputeConfig", "MemoryConfig", "DPConfig", "FSDPConfig", "DistConfig", "DataLoaderConfig", "field_docs"]
+__all__ = [
+    "ComputeConfig",
+    "MemoryConfig",
+    "DPConfig",
+    "FSDPConfig",
+    "TPConfig",
+    "DistConfig",
+    "DataLoaderConfig",
+    "field_docs",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,6 +102,24 @@ class FSDPConfig(Node):
 
 
 @dataclass(kw_only=True, slots=True)
+class TPConfig(Node):
+    """Tensor parallelism: each layer's weights split across the ranks of a node (DTensor ``parallelize_module``)."""
+
+    _path: ClassVar[str] = "dist.tp"
+    size: int = 1
+    """Number of ranks that split every tensor-parallel layer; 1 disables it. dist.dp.size * dist.fsdp.size *
+    dist.tp.size must equal the world size; keep a TP group inside one node (it communicates in every layer)."""
+    plan: str | dict[str, str] = "auto"
+    """Which module gets which split: "auto" takes a Hugging Face model's own plan (``model.tp_plan``, from
+    ``config.base_model_tp_plan``); otherwise a mapping of module-name patterns (``*`` matches one name, e.g.
+    ``"layers.*.mlp.up_proj"``) to "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise" or
+    "sequence_parallel". See docs/tensor_parallel.md."""
+    sequence_parallel: bool = False
+    """Also split the activations between the TP layers along the sequence dimension (norms and residuals run
+    on 1/tp of the tokens): less activation memory, the same communication volume."""
+
+
+@dataclass(kw_only=True, slots=True)
 class DistConfig(Node):
     """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
 
@@ -101,9 +128,12 @@ class DistConfig(Node):
     """Data parallelism (replicas)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Fully sharded data parallelism (sharding within one replica)."""
+    tp: TPConfig = field(default_factory=TPConfig)
+    """Tensor parallelism (splitting each layer)."""
     topology: list[str] = field(default_factory=lambda: ["dp", "fsdp"])
-    """Order of the parallel axes in the rank layout, outermost first; a permutation of ["dp", "fsdp"].
-    With the default, the ranks that shard one model are contiguous (fsdp innermost)."""
+    """Order of the parallel axes in the rank layout, outermost first: a permutation of ["dp", "fsdp"] ("tp" is
+    then innermost) or of ["dp", "fsdp", "tp"]. With the default, the ranks of one TP group are contiguous (one
+    node), then the ranks that shard one model."""
     timeout: float = 1800.0
     """Seconds a collective may wait before the job fails (the process-group timeout)."""
 

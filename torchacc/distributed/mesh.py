@@ -1,9 +1,10 @@
-"""The device mesh for data parallelism: FSDP, HSDP (replicate x shard) or plain DP.
+"""The device mesh: FSDP, HSDP (replicate x shard), plain DP, and tensor parallelism inside them.
 
-[Note: mesh layout] The mesh always has its axes in the order ``("dp", "fsdp")`` because
-``fully_shard`` reads a 2-D mesh as (replicate, shard). ``topology`` only decides which ranks land
-where: with the default ``("dp", "fsdp")`` the ranks that shard one model copy are contiguous
-(``0,1 | 2,3``), which keeps the all-gathers inside a node; ``("fsdp", "dp")`` strides them.
+[Note: mesh layout] The mesh always has its axes in the order ``("dp", "fsdp")``, or
+``("dp", "fsdp", "tp")`` with tensor parallelism, because ``fully_shard`` reads a 2-D mesh as
+(replicate, shard) and TP takes the innermost axis. ``topology`` only decides which ranks land where:
+with the default ``("dp", "fsdp", "tp")`` the ranks of one TP group are contiguous (``0,1 | 2,3``,
+one node), then the ranks that shard one model copy; ``("fsdp", "dp")`` strides the shards.
 """
 
 from collections.abc import Sequence
@@ -11,36 +12,82 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["build_mesh"]
+__all__ = ["build_mesh", "data_parallel_rank", "fsdp_submesh", "tp_submesh"]
 
 AXES = ("dp", "fsdp")
+TP_AXES = ("dp", "fsdp", "tp")
 
 
-def build_mesh(*, device_type: str, dp_size: int, fsdp_size: int, topology: Sequence[str] = AXES) -> DeviceMesh:
-    """Build the mesh that ``wrap_fsdp`` shards over.
+def _rank_grid(sizes: dict[str, int], topology: Sequence[str]) -> torch.Tensor:
+    """Ranks laid out in ``topology`` order (outermost first; "tp" innermost when absent), viewed as a
+    ``(dp, fsdp, tp)`` grid."""
+    axes = list(topology) if "tp" in topology else [*topology, "tp"]
+    if sorted(axes) != sorted(TP_AXES):
+        raise ValueError(f"topology={list(topology)} must be a permutation of {list(AXES)} or {list(TP_AXES)}")
+    grid = torch.arange(sizes["dp"] * sizes["fsdp"] * sizes["tp"]).reshape([sizes[axis] for axis in axes])
+    return grid.permute([axes.index(name) for name in TP_AXES]).contiguous()
+
+
+def build_mesh(
+    *, device_type: str, dp_size: int, fsdp_size: int, tp_size: int = 1, topology: Sequence[str] = AXES
+) -> DeviceMesh:
+    """Build the mesh that ``wrap_fsdp`` (and, with ``tp_size > 1``, ``apply_tp``) works on.
 
     Args:
         device_type: ``"cuda"`` or ``"cpu"``.
         dp_size: number of model replicas.
         fsdp_size: number of ranks that shard one replica.
-        topology: the axes outermost first, a permutation of ``("dp", "fsdp")``.
+        tp_size: number of ranks that split each tensor-parallel layer.
+        topology: the axes outermost first: a permutation of ``("dp", "fsdp")`` ("tp" innermost) or of
+            ``("dp", "fsdp", "tp")``.
 
     Returns:
-        A 1-D mesh named ``("fsdp",)`` when ``dp_size == 1``, otherwise a 2-D mesh named ``("dp", "fsdp")``
-        (HSDP). Plain DP (``fsdp_size == 1``) needs no mesh: DDP replicates over the default group.
+        Without TP: a 1-D mesh named ``("fsdp",)`` when ``dp_size == 1``, otherwise a 2-D mesh named
+        ``("dp", "fsdp")`` (HSDP). With TP: a 3-D mesh named ``("dp", "fsdp", "tp")``; take its parts with
+        ``fsdp_submesh`` and ``tp_submesh``. Plain DP without TP needs no mesh (DDP uses the default group).
 
     Raises:
-        ValueError: ``topology`` is not a permutation of the two axes.
+        ValueError: ``topology`` is not a permutation of the axes.
 
     Example:
-        >>> mesh = build_mesh(device_type="cpu", dp_size=2, fsdp_size=2)  # under torchrun, 4 ranks
+        >>> mesh = build_mesh(device_type="cpu", dp_size=1, fsdp_size=2, tp_size=2)  # under torchrun, 4 ranks
     """
-    if sorted(topology) != sorted(AXES):
-        raise ValueError(f"topology={list(topology)} must be a permutation of {list(AXES)}")
+    grid = _rank_grid({"dp": dp_size, "fsdp": fsdp_size, "tp": tp_size}, topology)
+    if tp_size > 1:
+        return DeviceMesh(device_type, grid, mesh_dim_names=TP_AXES)
     if dp_size == 1:
         return init_device_mesh(device_type, (fsdp_size,), mesh_dim_names=("fsdp",))
-    sizes = {"dp": dp_size, "fsdp": fsdp_size}
-    ranks = torch.arange(dp_size * fsdp_size).reshape([sizes[axis] for axis in topology])
-    if list(topology) != list(AXES):
-        ranks = ranks.transpose(0, 1)
-    return DeviceMesh(device_type, ranks.contiguous(), mesh_dim_names=AXES)
+    return DeviceMesh(device_type, grid[:, :, 0].contiguous(), mesh_dim_names=AXES)
+
+
+def fsdp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The part of ``mesh`` that ``fully_shard`` uses: ``("fsdp",)`` or ``("dp", "fsdp")``; None when nothing
+    is sharded (a TP-only mesh)."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return mesh
+    dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
+    if dp * fsdp == 1:
+        return None
+    return mesh["fsdp"] if dp == 1 else mesh["dp", "fsdp"]
+
+
+def tp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The ``("tp",)`` part of ``mesh``, or None without tensor parallelism."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["tp"]
+
+
+def data_parallel_rank(
+    rank: int, *, dp_size: int, fsdp_size: int, tp_size: int = 1, topology: Sequence[str] = AXES
+) -> int:
+    """This rank's index among the ``dp_size * fsdp_size`` data-parallel ranks: the ranks of one TP group share it
+    (they must see the same batches). Pure arithmetic, no communication.
+
+    Example:
+        >>> data_parallel_rank(3, dp_size=1, fsdp_size=2, tp_size=2)  # ranks 0,1 | 2,3 are the TP groups
+        1
+    """
+    grid = _rank_grid({"dp": dp_size, "fsdp": fsdp_size, "tp": tp_size}, topology)
+    dp, fsdp, _ = (int(i) for i in (grid == rank).nonzero()[0])
+    return dp * fsdp_size + fsdp

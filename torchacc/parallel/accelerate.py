@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
+from ..distributed.mesh import data_parallel_rank
 from .agree import agree_on_config, report_config_error
 from .engine import remap_optimizer, shard_model
 from .plan import make_mesh, plan_model
@@ -77,10 +78,17 @@ def accelerate(
         device = env.device()
         loader = None
         if dataloader is not None:
+            # the ranks of one TP group take the same batches: the sampler runs over the dp x fsdp ranks
             loader = shard_dataloader(
                 dataloader,
-                num_replicas=world_size,
-                rank=rank,
+                num_replicas=world_size // config.dist.tp.size,
+                rank=data_parallel_rank(
+                    rank,
+                    dp_size=config.resolved_dp_size(world_size),
+                    fsdp_size=config.dist.fsdp.size,
+                    tp_size=config.dist.tp.size,
+                    topology=config.dist.topology,
+                ),
                 device=device,
                 shuffle=config.dataloader.shuffle,
                 drop_last=config.dataloader.drop_last,
@@ -106,17 +114,19 @@ def accelerate(
 
 def _require_torchrun(config: Config, world_size: int) -> None:
     """A layout of several ranks run as plain ``python train.py``: say how to launch it."""
-    wanted = config.dist.fsdp.size * (config.dist.dp.size or 1)
+    wanted = config.dist.fsdp.size * config.dist.tp.size * (config.dist.dp.size or 1)
     if world_size == 1 and wanted > 1 and "WORLD_SIZE" not in os.environ:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         script = script if script and not script.startswith("-") else "train.py"
         layout = f"dist.fsdp.size={config.dist.fsdp.size}"
+        if config.dist.tp.size > 1:
+            layout += f" x dist.tp.size={config.dist.tp.size}"
         if config.dist.dp.size:
             layout += f" x dist.dp.size={config.dist.dp.size}"
         raise ValueError(
             f"{layout} asks for {wanted} processes, but this one was not started by torchrun and runs alone; "
-            f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 to train in "
-            "one process"
+            f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 "
+            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}to train in one process"
         )
 
 

@@ -1,16 +1,17 @@
 """Gradient clipping that sees the whole gradient, however it is sharded.
 
-Under FSDP each rank holds a shard of every gradient, and under HSDP the shards are replicated
-across the ``dp`` axis. The norm of the full gradient sums the squared shards over the shard axes
-only (summing over replicas too would count every element several times), and is the same on
-every rank. Logging a per-rank norm instead under-reports it by about sqrt(number of shards).
+Under FSDP each rank holds a shard of every gradient, under HSDP the shards are replicated
+across the ``dp`` axis, and under TP the split layers' gradients are sharded over ``tp`` too. The
+norm of the full gradient sums the squared shards over the shard axes only (summing over replicas
+too would count every element several times), and is the same on every rank. Logging a per-rank
+norm instead under-reports it by about sqrt(number of shards).
 """
 
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -27,7 +28,11 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            shard_dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            if any(p.is_partial() for p in grad.placements):
+                # a norm weight under sequence parallelism: each TP rank holds the sum over its own tokens
+                grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+            # not is_shard(): FSDP over a TP split of dim 0 is a _StridedShard, whose is_shard() is False
+            shard_dims = tuple(i for i, p in enumerate(grad.placements) if getattr(p, "dim", None) is not None)
             key = (grad.device_mesh, shard_dims)
             squares = grad.to_local().double().square().sum()
             per_mesh[key] = per_mesh[key] + squares if key in per_mesh else squares

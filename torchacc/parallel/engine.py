@@ -25,6 +25,7 @@ from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizer
 from ..checkpoint.state import get_shard_metadata, load_state_dict
 from ..config import Config
 from ..distributed.collectives import broadcast, sync_tensors
+from ..distributed.mesh import fsdp_submesh, tp_submesh
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
 from .activation_checkpoint import apply_activation_checkpointing
@@ -34,6 +35,7 @@ from .memory_report import log_summary
 from .meta_init import materialize
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
+from .tp import apply_tp
 
 __all__ = ["AcceleratedState", "ParallelizeFn", "shard_model", "remap_optimizer"]
 
@@ -50,6 +52,7 @@ class AcceleratedState:
     fsdp_size: int
     compute_dtype: torch.dtype | None
     run_id: str  # new for each accelerated model, the same on all its ranks; recorded in its shard metadata
+    tp_size: int = 1
 
 
 def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:
@@ -86,7 +89,7 @@ def shard_model(
         model: the plain model (possibly on the meta device, see ``torchacc.init_empty_weights``).
         config: the validated config.
         plan: ``plan_model(model, config)``.
-        mesh: ``make_mesh(config, ...)``: FSDP/HSDP when given, DDP or nothing otherwise.
+        mesh: ``make_mesh(config, ...)``: FSDP/HSDP and TP over its parts when given, DDP or nothing otherwise.
         device: this rank's device.
         world_size: the job's world size.
         parallelize_fn: replaces the class-name wrapping: called as ``fn(model, mesh, mp_policy)``.
@@ -97,6 +100,12 @@ def shard_model(
         accepts full, DTensor and local-shard state dicts.
     """
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if plan.meta else {}
+    init_from = config.dist.fsdp.init_from
+    if mesh is not None and config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
+        sync_tensors([*model.parameters(), *model.buffers()])  # on the full tensors, before anything is split
+    if plan.tp is not None and parallelize_fn is None:
+        apply_tp(model, tp_submesh(mesh), plan.tp)
+    shard_mesh = fsdp_submesh(mesh)
     if config.memory.gc:
         apply_activation_checkpointing(
             model, plan.gc_classes, num_layers=config.memory.gc_cnt, interval=config.memory.gc_interval
@@ -106,19 +115,16 @@ def shard_model(
     dtype = compute_dtype(bf16=config.compute.bf16, fp16=config.compute.fp16, device=device)
     if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
         dtype = mp_policy.param_dtype
-    init_from = config.dist.fsdp.init_from
     offload = None
     if config.memory.offload_params:
-        if device.type == "cuda" and mesh is not None:
+        if device.type == "cuda" and shard_mesh is not None:
             offload = CPUOffloadPolicy()
         elif device.type == "cuda":
             warn_once("memory.offload_params=True needs FSDP (dist.fsdp.size > 1); it is ignored without sharding")
         else:
             warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
     autocast_dtype = dtype
-    if mesh is not None:
-        if config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
-            sync_tensors([*model.parameters(), *model.buffers()])
+    if shard_mesh is not None or (parallelize_fn is not None and mesh is not None):
         reduce_dtype = getattr(torch, config.dist.fsdp.reduce_dtype)
         mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
         if mp_policy.param_dtype is not None:
@@ -132,7 +138,7 @@ def shard_model(
         else:
             wrap_fsdp(
                 model,
-                mesh,
+                shard_mesh,
                 plan.wrap_classes,
                 mp_policy=mp_policy,
                 reshard_after_forward=config.dist.fsdp.reshard_after_forward,
@@ -150,7 +156,7 @@ def shard_model(
         if not plan.meta:
             model.to(device)
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
-        if world_size > 1:
+        if world_size > 1 and plan.tp is None:
             wrap_ddp(
                 model,
                 sync_module_states=config.dist.fsdp.sync_module_states and init_from is None,
@@ -168,7 +174,9 @@ def shard_model(
     model.load_state_dict = MethodType(load_state_dict, model)
     dp_size = config.resolved_dp_size(world_size)
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
-    model._torchacc = AcceleratedState(device, mesh, dp_size, config.dist.fsdp.size, dtype, run_id)
+    model._torchacc = AcceleratedState(
+        device, mesh, dp_size, config.dist.fsdp.size, dtype, run_id, tp_size=config.dist.tp.size
+    )
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
     return model
 

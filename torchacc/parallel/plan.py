@@ -14,6 +14,7 @@ from ..config import Config
 from ..distributed.mesh import build_mesh
 from .fsdp import check_units, is_wrapped, resolve_module_classes
 from .meta_init import check_materializable, has_meta_params
+from .tp import TPPlan, resolve_tp_plan
 
 __all__ = ["ModelPlan", "plan_model", "make_mesh"]
 
@@ -25,6 +26,7 @@ class ModelPlan:
     wrap_classes: frozenset[type[nn.Module]]
     gc_classes: frozenset[type[nn.Module]]
     meta: bool
+    tp: TPPlan | None = None
 
 
 def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optimizer | None = None) -> ModelPlan:
@@ -32,7 +34,8 @@ def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optim
 
     Raises:
         ValueError: an already accelerated model, an unknown wrap or checkpoint class (listing the model's
-            classes), a meta-device model that cannot be initialized, an optimizer holding other parameters.
+            classes), a meta-device model that cannot be initialized, a TP plan that does not fit the model,
+            an optimizer holding other parameters.
         TypeError: ``optimizer`` is not an optimizer.
     """
     if hasattr(model, "_torchacc") or is_wrapped(model):
@@ -54,6 +57,11 @@ def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optim
         check_units(model, wrap)
     if config.compute.compile and not wrap:
         raise ValueError("compute.compile=True compiles each dist.fsdp.wrap_layer_cls block; set wrap_layer_cls too")
+    tp = None
+    if config.dist.tp.size > 1:
+        tp = resolve_tp_plan(
+            model, config.dist.tp.plan, size=config.dist.tp.size, sequence_parallel=config.dist.tp.sequence_parallel
+        )
     names = {param: name for name, param in model.named_parameters()}
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -64,14 +72,18 @@ def plan_model(model: nn.Module, config: Config, *, optimizer: torch.optim.Optim
                 f"optimizer holds {len(foreign)} parameter(s) that are not parameters of {type(model).__name__} "
                 f"(first has shape {tuple(foreign[0].shape)}); build the optimizer from model.parameters()"
             )
-    return ModelPlan(frozenset(wrap), frozenset(gc), meta)
+    return ModelPlan(frozenset(wrap), frozenset(gc), meta, tp)
 
 
 def make_mesh(config: Config, *, world_size: int, device: torch.device) -> DeviceMesh | None:
-    """The mesh ``fully_shard`` uses, or None when nothing is sharded (plain DP, or one process)."""
-    if config.dist.fsdp.size == 1:
+    """The job's mesh (see ``torchacc.distributed.mesh``), or None when nothing is sharded or split (plain DP, or
+    one process)."""
+    if config.dist.fsdp.size == 1 and config.dist.tp.size == 1:
         return None
-    dp_size = config.resolved_dp_size(world_size)
     return build_mesh(
-        device_type=device.type, dp_size=dp_size, fsdp_size=config.dist.fsdp.size, topology=config.dist.topology
+        device_type=device.type,
+        dp_size=config.resolved_dp_size(world_size),
+        fsdp_size=config.dist.fsdp.size,
+        tp_size=config.dist.tp.size,
+        topology=config.dist.topology,
     )
