@@ -232,10 +232,14 @@ def _to_dtensor(key: str, value: torch.Tensor, target: DTensor, meta: dict[str, 
         saved = None if entry is None else (entry["offset"], entry["local_shape"])
         converted = dtensor_like(target, value, local=True) if saved == (offset, local) else None
         if converted is None or list(value.shape) != local:
-            what = "no entry" if saved is None else f"the block at offset {saved[0]} of shape {saved[1]}"
+            what = (
+                "shard_metadata has no entry for it"
+                if saved is None
+                else f"the saved local shard is the block at offset {saved[0]} of shape {saved[1]}"
+            )
             raise ValueError(
-                f"{key}: the saved local shard is {what} but this rank holds the block at offset {offset} of shape "
-                f"{local} (a different sharding layout); consolidate the shards and load the full state dict instead"
+                f"{key}: {what}, but this rank holds the block at offset {offset} of shape {local} (a different "
+                "sharding layout); consolidate the shards and load the full state dict instead"
             )
         return converted
     converted = dtensor_like(target, value)
