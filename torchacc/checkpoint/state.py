@@ -3,7 +3,12 @@
 [Note: shard metadata] ``model.get_shard_metadata()`` records, for every ``state_dict`` key, the
 full shape and dtype, the placements over the mesh and this rank's slice (offset and local shape).
 That is all an offline tool needs to rebuild full tensors from per-rank files, without the model,
-its code or a process group. Placements are strings: ``"replicate"`` or ``"shard:<dim>"``.
+its code or a process group. Placements are strings: ``"replicate"``, ``"shard:<dim>"`` or
+``"strided_shard:<dim>:<split factor>"`` (FSDP over a tensor-parallel dim, ``_StridedShard``). The
+top-level ``"mesh"`` is the first DTensor's; a tensor on another mesh (with tensor parallelism, the
+TP-split weights live on the 2-D ``(fsdp, tp)`` mesh and the others on the ``fsdp`` mesh) carries its
+own ``"mesh"`` entry. Whatever the placements, a rank's piece is the block ``offset`` + ``local_shape``
+of the full tensor: the offline tools read nothing else.
 ``"run_id"`` (a hex string, the same on every rank of one accelerated model and new for each
 ``accelerate()``) tells the files of two runs apart, so the offline tools never merge them; files
 saved before it existed have none and are accepted, unless mixed with files that have one.
@@ -14,12 +19,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._utils.tree import map_tensors
 from ..distributed import env
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
-__all__ += ["dtensor_like", "gather_full"]
+__all__ += ["dtensor_like", "gather_full", "is_sharded"]
 
 FORMAT = "torchacc-shards/1"
 
@@ -32,12 +39,36 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _placement_name(placement: Any) -> str:
+def _placement_name(key: str, placement: Any) -> str:
+    if isinstance(placement, _StridedShard):  # not a Shard subclass: test it first all the same
+        return f"strided_shard:{placement.dim}:{placement.split_factor}"
     if isinstance(placement, Shard):
         return f"shard:{placement.dim}"
     if isinstance(placement, Replicate):
         return "replicate"
-    raise AssertionError(f"unsupported placement {placement!r} in a torchacc model")
+    raise ValueError(
+        f"{key}: placement {placement!r} cannot be saved as shards (only Shard, _StridedShard and Replicate); "
+        "save the full state instead (torchacc.save(model.state_dict(), path), which gathers it)"
+    )
+
+
+def is_sharded(placements: list[str]) -> bool:
+    """Whether a tensor with these placement names is split across ranks (its pieces differ)."""
+    return any(p.startswith(("shard:", "strided_shard:")) for p in placements)
+
+
+def _mesh_info(mesh: Any) -> dict[str, Any]:
+    return {
+        "shape": list(mesh.shape),
+        "dim_names": list(mesh.mesh_dim_names or ()),
+        "coordinate": list(mesh.get_coordinate() or ()),
+    }
+
+
+def _block(value: DTensor) -> tuple[list[int], list[int]]:
+    """(offset, local shape) of this rank's piece of ``value``; every placement torch has, strided ones included."""
+    local, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return list(offset), list(local)
 
 
 def local_slice(
@@ -59,9 +90,13 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
 
     Returns:
         ``{"format", "world_size", "rank", "run_id", "mesh": {"shape", "dim_names", "coordinate"} or None,
-        "tensors": {key: {"kind", "shape", "dtype", "placements", "offset", "local_shape"}}}``.
+        "tensors": {key: {"kind", "shape", "dtype", "placements", "offset", "local_shape"[, "mesh"]}}}``; a
+        tensor's ``"mesh"`` is there only where its mesh differs from the top-level one (tensor parallelism).
         Buffers (and every tensor of a replicated or single-process model) are ``["replicate"]``.
         ``"run_id"`` is left out for a model that torchacc did not accelerate.
+
+    Raises:
+        ValueError: a DTensor with a placement that has no piece of its own (``Partial``).
 
     Example:
         >>> ckpt = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}
@@ -75,19 +110,17 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
         entry: dict[str, Any] = {"kind": "param" if key in param_keys else "buffer", "dtype": str(value.dtype)}
         entry["shape"] = list(value.shape)
         if isinstance(value, DTensor):
-            mesh = value.device_mesh
-            if mesh_info is None:
-                mesh_info = {
-                    "shape": list(mesh.shape),
-                    "dim_names": list(mesh.mesh_dim_names or ()),
-                    "coordinate": list(mesh.get_coordinate() or ()),
-                }
-            entry["placements"] = [_placement_name(p) for p in value.placements]
-            offset, local = local_slice(
-                tuple(value.shape), entry["placements"], mesh_info["shape"], mesh_info["coordinate"]
-            )
+            info = _mesh_info(value.device_mesh)
+            mesh_info = mesh_info or info
+            if info != mesh_info:
+                entry["mesh"] = info
+            entry["placements"] = [_placement_name(key, p) for p in value.placements]
+            offset, local = _block(value)
             if local != list(value.to_local().shape):
-                raise AssertionError(f"{key}: computed local shape {local} != actual {list(value.to_local().shape)}")
+                raise ValueError(
+                    f"{key}: its placements {entry['placements']} give a local shape {local}, but this rank holds "
+                    f"{list(value.to_local().shape)}; this layout cannot be described as shards, save the full state"
+                )
         else:
             entry["placements"] = ["replicate"]
             offset, local = [0] * value.dim(), list(value.shape)
@@ -178,7 +211,13 @@ def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -
     """
     value = value.to(target.device)
     if value.shape == target.shape:
-        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+        if all(type(p) in (Shard, Replicate) for p in target.placements):
+            return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+        offset, local_shape = _block(target)  # strided placements: cut this rank's block, as distribute would
+        piece = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))].clone()
+        return DTensor.from_local(
+            piece, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
+        )
     if local and value.shape == target.to_local().shape:
         return DTensor.from_local(
             value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
@@ -189,13 +228,18 @@ def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -
 def _to_dtensor(key: str, value: torch.Tensor, target: DTensor, meta: dict[str, Any] | None) -> DTensor:
     if meta is not None:
         entry = meta["tensors"].get(key)
-        local = list(target.to_local().shape)
-        converted = dtensor_like(target, value, local=True) if entry and entry["local_shape"] == local else None
+        offset, local = _block(target)
+        saved = None if entry is None else (entry["offset"], entry["local_shape"])
+        converted = dtensor_like(target, value, local=True) if saved == (offset, local) else None
         if converted is None or list(value.shape) != local:
-            saved = None if entry is None else entry["local_shape"]
+            what = (
+                "shard_metadata has no entry for it"
+                if saved is None
+                else f"the saved local shard is the block at offset {saved[0]} of shape {saved[1]}"
+            )
             raise ValueError(
-                f"{key}: the saved local shard has shape {saved} but this rank holds {local} (a different sharding "
-                "layout); consolidate the shards and load the full state dict instead"
+                f"{key}: {what}, but this rank holds the block at offset {offset} of shape {local} (a different "
+                "sharding layout); consolidate the shards and load the full state dict instead"
             )
         return converted
     converted = dtensor_like(target, value)

@@ -34,7 +34,7 @@ __all__ = [
     "refuse_writing_into_source",
 ]
 
-_PLACEMENT = re.compile(r"replicate|shard:(\d+)")
+_PLACEMENT = re.compile(r"replicate|shard:(\d+)|strided_shard:(\d+):[1-9]\d*")
 
 
 def _save_call(section: str) -> str:
@@ -116,7 +116,12 @@ def _entry_problem(entry: Any) -> str | None:
         return "has 'shape', 'offset' and 'local_shape' of different lengths"
     placements, ndim = entry["placements"], len(entry["shape"])
     if not isinstance(placements, list | tuple) or not all(_is_placement(p, ndim) for p in placements):
-        return f"'placements' is {placements!r}, expected a list of 'replicate' and 'shard:<dim>' (dim < {ndim})"
+        return (
+            f"'placements' is {placements!r}, expected a list of 'replicate', 'shard:<dim>' and "
+            f"'strided_shard:<dim>:<split factor>' (dim < {ndim})"
+        )
+    if "mesh" in entry and _mesh_problem(entry["mesh"], len(placements)) is not None:
+        return f"'mesh' {_mesh_problem(entry['mesh'], len(placements))}"
     try:
         parse_dtype(entry["dtype"])
     except (ValueError, AttributeError):
@@ -126,7 +131,17 @@ def _entry_problem(entry: Any) -> str | None:
 
 def _is_placement(placement: Any, ndim: int) -> bool:
     match = _PLACEMENT.fullmatch(placement) if isinstance(placement, str) else None
-    return match is not None and (match[1] is None or int(match[1]) < ndim)
+    dim = None if match is None else (match[1] or match[2])
+    return match is not None and (dim is None or int(dim) < ndim)
+
+
+def _mesh_problem(mesh: Any, num_placements: int) -> str | None:
+    """What is wrong with a tensor's own ``"mesh"`` entry (tensor parallelism), or None."""
+    if not isinstance(mesh, dict) or not isinstance(mesh.get("shape"), list | tuple):
+        return f"is {mesh!r}, expected a dict with a 'shape' list"
+    if not all(_is_int(n) and n >= 1 for n in mesh["shape"]) or len(mesh["shape"]) != num_placements:
+        return f"has shape {mesh['shape']!r}, expected {num_placements} int(s) >= 1 (one per placement)"
+    return None
 
 
 def _run(run_id: str | None) -> str:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from ..._utils.fs import atomic_write
@@ -147,15 +148,18 @@ def write_item(
     shards: ShardSet,
     item: TensorItem,
     rows: tuple[int, int] | None = None,
+    *,
+    full: torch.Tensor | None = None,
 ) -> None:
-    """Write ``item``, or its dim-0 ``rows`` [start, stop), to ``slot``: copied file to file where possible."""
+    """Write ``item``, or its dim-0 ``rows`` [start, stop), to ``slot``: copied file to file where possible,
+    else cut from ``full`` (``item`` already rebuilt by the caller) or from ``item`` rebuilt here."""
     row_bytes = math.prod(item.shape[1:]) * item.dtype.itemsize
     start, stop = (rows[0] * row_bytes, rows[1] * row_bytes) if rows else (0, item.num_bytes)
-    ranges = shards.byte_ranges(item, start, stop)
+    ranges = None if full is not None else shards.byte_ranges(item, start, stop)
     if ranges is not None:
         writer.copy(slot, ranges)
     else:
-        full = shards.full_tensor(item)
+        full = shards.full_tensor(item) if full is None else full
         writer.write(slot, full[rows[0] : rows[1]] if rows else full)
 
 

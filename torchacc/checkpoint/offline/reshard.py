@@ -10,7 +10,7 @@ from typing import Any
 
 from ..._utils.fs import publish, temp_path
 from .._format.torch_writer import StreamingTorchWriter, TensorSlot
-from ..state import FORMAT, local_slice
+from ..state import FORMAT, is_sharded, local_slice
 from ._checks import refuse_writing_into_source
 from .consolidate import MODEL_PATTERN, OPTIM_PATTERN, plan_slots, progress_bar, write_item
 from .shard_set import ShardSet, TensorItem, canonical_name
@@ -23,9 +23,10 @@ def _resharded_metadata(shards: ShardSet, rank: int, num_shards: int) -> dict[st
     tensors = {}
     for key, entry in shards.metadata.items():
         key = canonical_name(key)
-        sharded = any(p.startswith("shard:") for p in entry["placements"]) and len(entry["shape"]) > 0
+        sharded = is_sharded(entry["placements"]) and len(entry["shape"]) > 0
         placements = ["shard:0"] if sharded else ["replicate"]
         offset, local = local_slice(tuple(entry["shape"]), placements, mesh["shape"], mesh["coordinate"])
+        entry = {k: v for k, v in entry.items() if k != "mesh"}  # a tensor-parallel tensor's own mesh is gone
         tensors[key] = {**entry, "placements": placements, "offset": offset, "local_shape": local}
     meta = {"format": FORMAT, "world_size": num_shards, "rank": rank, "mesh": mesh, "tensors": tensors}
     return meta if shards.run_id is None else {**meta, "run_id": shards.run_id}  # still the run that trained it
@@ -43,7 +44,8 @@ def reshard_checkpoint(
     """Turn the N per-rank files in ``src`` into ``num_shards`` files in ``dst`` for a run of that world size.
 
     Both the model files (``rank-*-of-*-model.pth``) and, if present, the optimizer files
-    (``rank-*-of-*-optim.pth``) are resharded, FSDP-style (dim 0, ``torch.chunk`` sizes). A run with
+    (``rank-*-of-*-optim.pth``) are resharded, FSDP-style (dim 0, ``torch.chunk`` sizes), whatever the
+    source layout (FSDP, HSDP, tensor parallel or FSDP x TP). A run with
     ``dist.fsdp.size == num_shards`` loads its file with
     ``model.load_state_dict(ckpt["model"], shard_metadata=ckpt["shard_metadata"])``.
     ``verify``, ``progress`` and ``sync_files`` are as in :func:`consolidate`.
@@ -96,8 +98,10 @@ def _reshard_section(
             for item in progress_bar(shards.items, "reshard", progress):
                 if item in aliases:
                     continue
+                # pieces that are not byte ranges (tensor-parallel dim-1 pieces) are rebuilt once, not once per file
+                full = shards.full_tensor(item) if shards.byte_ranges(item) is None else None
                 for meta, (writer, slots) in zip(metas, writers, strict=True):
-                    write_item(writer, slots[item], shards, item, _rows(item, meta))
+                    write_item(writer, slots[item], shards, item, _rows(item, meta), full=full)
             for writer, _ in writers:
                 writer.close()
     finally:

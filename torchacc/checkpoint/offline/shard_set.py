@@ -6,7 +6,8 @@ A shard file is what ``torchacc.save(..., master_only=False)`` writes for one ra
 ``{"state": {param name: {name: tensor}}, "param_groups": [...]}``). Files are memory-mapped, so
 opening a set costs no memory; a full tensor is built only when asked for, or never: where the
 pieces are contiguous byte ranges of the full tensor (dim-0 shards), ``byte_ranges`` says where they
-lie in the files, so writers can copy them file to file.
+lie in the files, so writers can copy them file to file. Pieces are blocks (``offset`` + ``local_shape``
+in the metadata) on any dims, so tensor-parallel (dim-1) and FSDP x TP pieces rebuild the same way.
 """
 
 import contextlib
@@ -24,7 +25,7 @@ from ..._utils.tied import tied_names
 from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
-from ..state import parse_dtype
+from ..state import is_sharded, parse_dtype
 from ._checks import check_rank, check_tiling, open_shard, order_by_rank
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
@@ -123,7 +124,7 @@ class ShardSet:
                 entry = self.metadata.get(key)
                 if entry is None:
                     raise ValueError(f"{self.paths[0]}: {key} is in the state dict but not in shard_metadata")
-                sharded = any(p.startswith("shard:") for p in entry["placements"])
+                sharded = is_sharded(entry["placements"])
                 shape, dtype = tuple(entry["shape"]), parse_dtype(entry["dtype"])
                 items.append(TensorItem((key,), (canonical_name(key),), shape, dtype, key if sharded else None))
             return items
@@ -141,10 +142,7 @@ class ShardSet:
             for state_key, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     continue
-                sharded = (
-                    any(p.startswith("shard:") for p in entry["placements"])
-                    and list(value.shape) == entry["local_shape"]
-                )
+                sharded = is_sharded(entry["placements"]) and list(value.shape) == entry["local_shape"]
                 shape = tuple(entry["shape"]) if sharded else tuple(value.shape)
                 path = ("state", name, state_key)
                 out_path = ("state", canonical_name(name), state_key)
