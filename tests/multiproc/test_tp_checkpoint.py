@@ -82,6 +82,12 @@ def test_init_from_fills_tp_shards_with_the_files_tensors(four, two, kind):
     assert all(total / 2 <= r[f"read_{kind}"] < total for r in two)  # TP alone: the layers outside the plan whole
 
 
+def test_init_from_on_rank_zero_only_fills_tp_shards(two):
+    expected = tiny_llama(seed=11).state_dict()
+    for result in two:
+        assert_equal(result["init_from_rank0"], expected)
+
+
 def test_plain_optimizer_state_dict_round_trip_resumes_exactly_under_tp(four, two):
     for result in [*four, *two]:
         lines = result["seed_lines"]

@@ -1,6 +1,8 @@
 """Checkpoints and initialization under tensor parallelism: DCP across layouts, meta init, init_from, and the
 seed's optimizer lines. Each suite returns plain data; the assertions live in test_tp_checkpoint.py."""
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -140,10 +142,27 @@ def four_rank_suite(out: str) -> dict[str, Any]:
     return result
 
 
+def init_from_rank0_only(out: Path) -> dict[str, torch.Tensor]:
+    """init_from a relative path that only rank 0 has (each rank in its own directory): rank 0 sends."""
+    rank = torchacc.dist.rank()
+    node_dir = out / f"node{rank}"
+    node_dir.mkdir(exist_ok=True)
+    if rank == 0:
+        shutil.copy(out / "init.pth", node_dir / "init.pth")
+    torchacc.dist.barrier()
+    cwd = os.getcwd()
+    os.chdir(node_dir)
+    try:
+        return meta_init(llama_config(tp=2, init_from="init.pth"))
+    finally:
+        os.chdir(cwd)
+
+
 def two_rank_suite(out: str) -> dict[str, Any]:
     """TP2 alone: init; resume the one-process checkpoint; the seed's optimizer lines."""
     out_dir = Path(out)
     result = init_suite(out_dir, fsdp=1, tp=2)
+    result["init_from_rank0"] = init_from_rank0_only(out_dir)
     model, optimizer = fresh(llama_config(tp=2), seed=4)
     torchacc.resume_latest(out_dir / "ckpt-one", model, optimizer)
     result["tp2"] = snapshot(model, optimizer)
