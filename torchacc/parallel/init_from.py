@@ -55,7 +55,7 @@ def local_slices(target: torch.Tensor) -> tuple[slice, ...]:
     if not isinstance(target, DTensor):
         return tuple(slice(0, n) for n in target.shape)
     # DTensor's own arithmetic: it knows every placement, FSDP's _StridedShard over a TP shard included (the
-    # piece stays one contiguous block of the full tensor; checked below, as a wrong slice would load silently)
+    # piece stays one contiguous block of the full tensor); its shape is checked, a wrong one would load silently
     local, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     if tuple(local) != tuple(target.to_local().shape):
         raise AssertionError(f"local piece {tuple(local)} at {tuple(offset)} != the shard's {target.to_local().shape}")
