@@ -1,4 +1,4 @@
-"""Tensor-parallel models save, load and initialize exactly (see tp_ckpt_scenarios.py).
+"""Tensor-parallel models save, load and initialize exactly (see tp_dcp_scenarios.py).
 
 One checkpoint travels TP2 x FSDP2 (4 ranks) -> FSDP4 (4 ranks) -> one process (here) -> TP2 (2 ranks),
 model and AdamW state bitwise equal at every stop. Meta-device init and ``dist.fsdp.init_from`` give the
@@ -14,7 +14,7 @@ from _models import tiny_llama
 
 import torchacc
 
-SCENARIOS = str(Path(__file__).with_name("tp_ckpt_scenarios.py"))
+SCENARIOS = str(Path(__file__).with_name("tp_dcp_scenarios.py"))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def four(out):
 @pytest.fixture(scope="module")
 def one(out, four):
     """The FSDP4 checkpoint loaded in this process (no process group), then saved again for TP2."""
-    import tp_ckpt_scenarios as s
+    import tp_dcp_scenarios as s
 
     model, optimizer = s.fresh(s.llama_config(), seed=2)
     torchacc.load_checkpoint(out / "ckpt-fsdp4", model=model, optimizer=optimizer)
