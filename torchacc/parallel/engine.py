@@ -156,6 +156,10 @@ def shard_model(
         if not plan.meta:
             model.to(device)
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        if plan.tp is not None:  # TP alone: DTensor parameters too (see [Note: plain optimizer loads])
+            for name, param in model.named_parameters():
+                param._torchacc_name = name
+            watch_optimizers()
         if world_size > 1 and plan.tp is None:
             wrap_ddp(
                 model,

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .._utils.tied import tied_names
-from ..checkpoint.state import local_slice
 from ..distributed import env
 from ..distributed.collectives import raise_on_any_rank
 
@@ -54,9 +54,11 @@ def local_slices(target: torch.Tensor) -> tuple[slice, ...]:
     """This rank's piece of a (possibly DTensor) target, as slices of the full tensor."""
     if not isinstance(target, DTensor):
         return tuple(slice(0, n) for n in target.shape)
-    mesh = target.device_mesh
-    placements = [f"shard:{p.dim}" if p.is_shard() else "replicate" for p in target.placements]
-    offset, local = local_slice(tuple(target.shape), placements, list(mesh.shape), list(mesh.get_coordinate()))
+    # DTensor's own arithmetic: it knows every placement, FSDP's _StridedShard over a TP shard included (the
+    # piece stays one contiguous block of the full tensor); its shape is checked, a wrong one would load silently
+    local, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if tuple(local) != tuple(target.to_local().shape):
+        raise AssertionError(f"local piece {tuple(local)} at {tuple(offset)} != the shard's {target.to_local().shape}")
     return tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
 
 
