@@ -12,10 +12,19 @@ SCENARIOS = str(Path(__file__).with_name("tp_strategy_scenarios.py"))
 ATOL, RTOL = 1e-5, 1e-4
 
 
+def _launch(tmp_path_factory, world_size: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"strategy_tp{world_size}")
+    return launch(f"{SCENARIOS}:tp_suite", world_size, out / "logs", args=(out,))
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return _launch(tmp_path_factory, 2)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "fsdp2xtp2"])
 def ranks(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"strategy_tp{request.param}")
-    return launch(f"{SCENARIOS}:tp_suite", request.param, out / "logs", args=(out,))
+    return request.getfixturevalue("tp2") if request.param == 2 else _launch(tmp_path_factory, 4)
 
 
 def reference(indices: list[list[list[int]]], accumulation_steps: int) -> tuple[list[float], list[float], dict]:
@@ -65,8 +74,8 @@ def test_training_matches_one_process_with_accumulation_and_clipping(ranks):
             torch.testing.assert_close(result["state"][name], value, atol=ATOL, rtol=RTOL, msg=name)
 
 
-def test_save_ckpt_load_ckpt_resumes_bitwise(ranks):
-    for result in (r["resume"] for r in ranks):
+def test_save_ckpt_load_ckpt_resumes_bitwise(tp2):
+    for result in (r["resume"] for r in tp2):
         assert result == {
             "losses_equal": True,
             "indices_equal": True,
