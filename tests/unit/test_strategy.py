@@ -14,7 +14,9 @@ from torchacc import FSDP2Strategy
     [
         ({"sharding_strategy": "ZERO3"}, "sharding_strategy='ZERO3' is not one of FULL_SHARD, SHARD_GRAD_OP"),
         ({"state_dict_type": "mixed"}, "state_dict_type='mixed' must be 'full' or 'sharded'"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: torchacc does not do tensor parallelism"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an int >= 1, got 0"),
+        ({"tensor_parallel_plan": "colwise"}, "tensor_parallel_plan='colwise' must be 'auto'"),
+        ({"tensor_parallel_plan": ["q_proj"]}, "tensor_parallel_plan must be 'auto' or a mapping .*, got list"),
         ({"data_parallel_size": 0}, "data_parallel_size must be an int >= 1, got 0"),
         ({"mp_policy": "int8"}, "mp_policy='int8' must be a MixedPrecisionPolicy or 'bf16', 'fp16', 'fp32'"),
         ({"max_norm": -1.0}, r"max_norm=-1.0 must be >= 0 \(0 disables clipping\)"),

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._utils.logging import warn_once
 from .._utils.tree import map_tensors
@@ -88,11 +90,18 @@ def install_precision(model: nn.Module, *, device_type: str, autocast_dtype: tor
 
 
 class GradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose device defaults to this process's device type.
+    """``torch.amp.GradScaler`` whose device defaults to this process's device type, and whose overflow check
+    covers every rank: when any rank finds an inf or NaN, every rank skips the step and backs off alike.
 
-    Sharded gradients need nothing more: DTensor combines the overflow flags of all ranks (a max over
-    the mesh) when the scaler unscales them, and DDP's all-reduce spreads an inf to every rank, so every
-    rank skips the same steps and keeps the same scale. Use it exactly like ``torch.amp.GradScaler``.
+    [Note: found_inf across ranks] Each rank checks and unscales its local gradients (a DTensor's local
+    shard), then one all-reduce (max) of the overflow flag over all ranks makes the decision global.
+    DTensor's own handling of the check is not enough once tensor parallelism is on: it reduces the flag
+    over the mesh of the first gradient only (under FSDP x TP some gradients live on the ``fsdp`` mesh,
+    others on ``(fsdp, tp)``, so an inf on one TP rank could stay there), and it refuses the mix of DTensor
+    gradients (split layers) and plain ones (layers kept whole on a TP-only mesh) in one call. Plain
+    gradients of replicated layers are identical across a TP group by construction, but the split ones are
+    not. The all-reduce costs one scalar per step; DDP's gradients are already equal on all ranks.
+    Use it exactly like ``torch.amp.GradScaler``.
 
     Args:
         device: where the gradients are; defaults to ``"cuda"`` when CUDA is present, else ``"cpu"``.
@@ -107,3 +116,37 @@ class GradScaler(torch.amp.GradScaler):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(torch.device(device).type, **kwargs)
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's ``_unscale_grads_`` on local tensors, then the flag agreed over all ranks; see
+        [Note: found_inf across ranks]. Returns the overflow flag per device, as torch's does."""
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()  # duplicate indices may overflow once summed
+                        grad = grad._values()
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad  # a view: unscaled in place
+                    grads.setdefault(local.device, {}).setdefault(local.dtype, []).append(local)
+            flags = {device: found_inf.to(device, copy=True) for device in grads}
+            for device, per_dtype in grads.items():
+                scale = inv_scale.to(device)
+                for tensors in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, flags[device], scale)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                anywhere = found_inf.clone()  # every rank joins, even one without gradients
+                for flag in flags.values():
+                    anywhere = torch.maximum(anywhere, flag.to(anywhere.device))
+                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+                for flag in flags.values():
+                    flag.copy_(anywhere)
+        return flags

@@ -13,7 +13,7 @@ module holds the constructor and the setup (environment, model, data); the rest 
 import contextlib
 import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -42,8 +42,14 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
 
     Args:
         config: a ``torchacc.Config``; the keyword arguments below override it.
-        data_parallel_size: ``"auto"`` (the world size) or the world size itself.
-        tensor_parallel_size: ``"auto"`` or 1; tensor parallelism is not part of torchacc.
+        data_parallel_size: ``"auto"`` or the number of data-parallel ranks, ``world size / tensor_parallel_size``
+            (the ranks of one TP group take the same batches; the sharding strategy lays out these ranks).
+        tensor_parallel_size: ranks that split each tensor-parallel layer (``config.dist.tp.size``); ``"auto"``
+            keeps ``config``'s (1 without a config). Must divide the world size.
+        tensor_parallel_plan: ``"auto"`` (the Hugging Face model's own plan, or ``config.dist.tp.plan``) or a
+            mapping of module-name patterns to styles, as ``config.dist.tp.plan``.
+        sequence_parallel: also split the activations between TP layers along the sequence
+            (``config.dist.tp.sequence_parallel``).
         sharding_strategy: ``"FULL_SHARD"`` (reshard after forward), ``"SHARD_GRAD_OP"`` (keep parameters
             gathered between forward and backward), ``"NO_SHARD"`` (DDP), ``"HYBRID_SHARD"`` (shard inside a
             node, replicate across nodes); None keeps ``config``'s layout (FULL_SHARD without a config).
@@ -52,7 +58,8 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             scales, ``optimizer_step`` unscales before clipping and skips steps with inf/NaN gradients.
         cpu_offload: keep shards and optimizer state in CPU memory (CUDA runs; ignored with a warning on CPU).
         activation_checkpointing_policy: class names (or classes) of the layers to checkpoint.
-        parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping.
+        parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping (and the TP plan):
+            it gets the full mesh, with a ``"tp"`` axis under tensor parallelism.
         checkpoint_io: an object with ``save_checkpoint(checkpoint, path)``, ``load_checkpoint(path)`` and
             ``remove_checkpoint(path)`` that replaces the default file handling.
         state_dict_type: ``"full"`` (one file, written by rank 0) or ``"sharded"`` (a DCP directory).
@@ -61,14 +68,15 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         micro_train_batch_size: samples per rank per forward.
         train_batch_size: samples per optimizer step over all ranks; the accumulation steps are
             ``train_batch_size // (micro_train_batch_size * data-parallel world size)``. None: no accumulation
-            (``micro_train_batch_size`` times the world size).
+            (``micro_train_batch_size`` times the data-parallel world size).
         loss_fn: ``fn(model, batch) -> loss``; default ``model(**batch).loss`` (Hugging Face models).
         defer_replica_all_reduce: with HYBRID_SHARD, reduce-scatter every micro-step but all-reduce across
             replicas only on the last one (less communication, gradients held a little longer).
 
     Raises:
-        ValueError: an unknown sharding strategy or state dict type, a tensor parallel size other than 1,
-            batch sizes that do not divide (at ``setup_environment``), a negative ``max_norm``.
+        ValueError: an unknown sharding strategy or state dict type, a tensor parallel size below 1, sizes
+            that do not divide the world size or batch sizes that do not divide (at ``setup_environment``), a
+            negative ``max_norm``.
 
     Example:
         >>> strategy = torchacc.FSDP2Strategy(train_batch_size=16, micro_train_batch_size=2, max_norm=1.0)
@@ -84,6 +92,8 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         *,
         data_parallel_size: int | str = "auto",
         tensor_parallel_size: int | str = "auto",
+        tensor_parallel_plan: str | Mapping[str, str] = "auto",
+        sequence_parallel: bool = False,
         sharding_strategy: str | None = None,
         mp_policy: MixedPrecisionPolicy | str | None = None,
         cpu_offload: bool = False,
@@ -102,6 +112,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             config=config,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan,
             sharding_strategy=sharding_strategy,
             mp_policy=mp_policy,
             state_dict_type=state_dict_type,
@@ -110,7 +121,10 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             train_batch_size=train_batch_size,
         )
         self.config = copy.deepcopy(config) if config is not None else Config()
-        self.data_parallel_size = data_parallel_size
+        self.data_parallel_size = data_parallel_size  # resolved to an int by setup_environment
+        self.tensor_parallel_size = tensor_parallel_size  # likewise
+        self.tensor_parallel_plan = tensor_parallel_plan
+        self.sequence_parallel = sequence_parallel
         self.sharding_strategy = sharding_strategy or ("FULL_SHARD" if config is None else None)
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
@@ -146,19 +160,24 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
                 self.config,
                 world_size=world,
                 data_parallel_size=self.data_parallel_size,
+                tensor_parallel_size=self.tensor_parallel_size,
+                tensor_parallel_plan=self.tensor_parallel_plan,
+                sequence_parallel=self.sequence_parallel,
                 sharding_strategy=self.sharding_strategy,
                 mp_policy=self.mp_policy,
                 cpu_offload=self.cpu_offload,
                 activation_checkpointing_policy=self.activation_checkpointing_policy,
             )
             self.config.validate(world)
-            per_step = self.micro_train_batch_size * world
+            data_ranks = world // self.config.dist.tp.size
+            per_step = self.micro_train_batch_size * data_ranks
             if self.train_batch_size is None:
                 self.train_batch_size = per_step
             if self.train_batch_size % per_step:
                 raise ValueError(
                     f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
-                    f"{self.micro_train_batch_size} x data-parallel world size {world} = {per_step}; choose a multiple"
+                    f"{self.micro_train_batch_size} x data-parallel world size {data_ranks} = {per_step}; choose a "
+                    "multiple"
                 )
         except ValueError as exc:
             if world > 1:
@@ -178,6 +197,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         if self.config.compute.fp16 or policy_fp16:
             self.scaler = GradScaler(device)
         self.accumulation_steps = self.train_batch_size // per_step
+        self.data_parallel_size, self.tensor_parallel_size = data_ranks, self.config.dist.tp.size
 
     # --- model -----------------------------------------------------------------------------------
 
@@ -235,8 +255,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         cfg = self.config.dataloader
         self.dataloader = shard_dataloader(
             dataloader,
-            num_replicas=env.world_size(),
-            rank=env.rank(),
+            **self.distributed_sampler_kwargs,  # the ranks of one TP group take the same batches
             device=state["device"],
             shuffle=cfg.shuffle,
             drop_last=cfg.drop_last,

@@ -6,6 +6,7 @@ The options (``sharding_strategy``, ``mp_policy``, ``cpu_offload``, ...) are ano
 shared code path (``torchacc/parallel/engine.py``) then reads.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -28,6 +29,7 @@ def check_options(
     config: Config | None,
     data_parallel_size: int | str,
     tensor_parallel_size: int | str,
+    tensor_parallel_plan: str | Mapping[str, str],
     sharding_strategy: str | None,
     mp_policy: MixedPrecisionPolicy | str | None,
     state_dict_type: str,
@@ -47,10 +49,17 @@ def check_options(
         raise ValueError(f"sharding_strategy={sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}")
     if state_dict_type not in ("full", "sharded"):
         raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
-    if tensor_parallel_size not in ("auto", 1):
+    if tensor_parallel_size != "auto":
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
+    if isinstance(tensor_parallel_plan, str) and tensor_parallel_plan != "auto":
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size!r}: torchacc does not do tensor parallelism; use 'auto' "
-            "or 1 and scale with data_parallel_size / sharding instead"
+            f"tensor_parallel_plan={tensor_parallel_plan!r} must be 'auto' (a Hugging Face model's own plan) or a "
+            "mapping of module-name patterns to styles, e.g. {'layers.*.mlp.up_proj': 'colwise'}"
+        )
+    if not isinstance(tensor_parallel_plan, (str, Mapping)):
+        raise ValueError(
+            f"tensor_parallel_plan must be 'auto' or a mapping of module-name patterns to styles, got "
+            f"{type(tensor_parallel_plan).__name__}"
         )
     if data_parallel_size != "auto":
         _positive_int("data_parallel_size", data_parallel_size)
@@ -68,6 +77,9 @@ def apply_options(
     *,
     world_size: int,
     data_parallel_size: int | str,
+    tensor_parallel_size: int | str = "auto",
+    tensor_parallel_plan: str | Mapping[str, str] = "auto",
+    sequence_parallel: bool = False,
     sharding_strategy: str | None,
     mp_policy: MixedPrecisionPolicy | str | None,
     cpu_offload: bool,
@@ -75,23 +87,49 @@ def apply_options(
 ) -> None:
     """Write the options into ``config`` in place; None or falsy options leave its fields as they are.
 
+    With tensor parallelism the ``world_size / tensor_parallel_size`` data-parallel ranks are what the
+    sharding strategy lays out (FSDP shards over them, DDP replicates over them); the ranks of one TP
+    group hold the same batch.
+
     Raises:
-        ValueError: ``data_parallel_size`` is neither ``"auto"`` nor ``world_size``.
+        ValueError: ``tensor_parallel_size`` does not divide ``world_size`` (or, with HYBRID_SHARD, the ranks of a
+            node); ``data_parallel_size`` is neither ``"auto"`` nor ``world_size / tensor_parallel_size``.
     """
-    if data_parallel_size not in ("auto", world_size):
+    dist_cfg = config.dist
+    if tensor_parallel_size != "auto":
+        if world_size % tensor_parallel_size:
+            divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size}; choose "
+                f"one of {divisors}"
+            )
+        dist_cfg.tp.size = tensor_parallel_size
+    if dist_cfg.tp.size > 1:
+        if not isinstance(tensor_parallel_plan, str):  # "auto" keeps config.dist.tp.plan (itself "auto" by default)
+            dist_cfg.tp.plan = dict(tensor_parallel_plan)
+        dist_cfg.tp.sequence_parallel = dist_cfg.tp.sequence_parallel or sequence_parallel
+    tp = dist_cfg.tp.size
+    data_ranks = world_size // tp if world_size % tp == 0 else world_size
+    if data_parallel_size not in ("auto", data_ranks):
         raise ValueError(
-            f"data_parallel_size={data_parallel_size} must equal the world size {world_size} (no tensor "
-            "parallelism); use 'auto'"
+            f"data_parallel_size={data_parallel_size} must equal the world size {world_size}"
+            + (f" / tensor_parallel_size={tp} = {data_ranks}" if tp > 1 else " (no tensor parallelism)")
+            + "; use 'auto'"
         )
-    fsdp, dist_cfg = config.dist.fsdp, config.dist
+    fsdp = dist_cfg.fsdp
     if sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        fsdp.size, dist_cfg.dp.size = world_size, 1
+        fsdp.size, dist_cfg.dp.size = data_ranks, 1
         fsdp.reshard_after_forward = sharding_strategy == "FULL_SHARD"
     elif sharding_strategy == "NO_SHARD":
-        fsdp.size, dist_cfg.dp.size = 1, world_size
+        fsdp.size, dist_cfg.dp.size = 1, data_ranks
     elif sharding_strategy == "HYBRID_SHARD":
         per_node = env.local_world_size()
-        fsdp.size, dist_cfg.dp.size = per_node, world_size // per_node
+        if per_node % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: HYBRID_SHARD shards inside "
+                "a node and a TP group must stay inside one; choose a divisor of the ranks per node"
+            )
+        fsdp.size, dist_cfg.dp.size = per_node // tp, world_size // per_node
     if isinstance(mp_policy, str):
         config.compute.bf16 = mp_policy == "bf16"
         config.compute.fp16 = mp_policy == "fp16"

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import collectives, env
+from ..distributed.mesh import data_parallel_rank
 
 __all__ = ["StrategyRuntimeMixin"]
 
@@ -17,6 +18,7 @@ class StrategyRuntimeMixin:
     """The runtime properties and collectives of ``FSDP2Strategy``."""
 
     _env: dict[str, Any] | None
+    config: Any
 
     def _ready(self) -> dict[str, Any]:
         if self._env is None:
@@ -30,8 +32,34 @@ class StrategyRuntimeMixin:
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
-        """The FSDP/HSDP mesh (None for NO_SHARD and single-process runs)."""
+        """The whole mesh: ``("fsdp",)`` or ``("dp", "fsdp")``, ``("dp", "fsdp", "tp")`` with tensor parallelism;
+        None for NO_SHARD without TP and single-process runs."""
         return self._ready()["mesh"]
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """Number of data-parallel ranks, ``world_size / tensor_parallel_size`` (dp x fsdp): the ranks that take
+        different batches."""
+        self._ready()
+        return env.world_size() // self.config.dist.tp.size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the data-parallel ranks; the ranks of one TP group share it."""
+        self._ready()
+        dist_cfg, world = self.config.dist, env.world_size()
+        return data_parallel_rank(
+            env.rank(),
+            dp_size=self.config.resolved_dp_size(world),
+            fsdp_size=dist_cfg.fsdp.size,
+            tp_size=dist_cfg.tp.size,
+            topology=dist_cfg.topology,
+        )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` for a ``DistributedSampler`` (Lightning's name): the data-parallel ones."""
+        return {"num_replicas": self.data_parallel_world_size, "rank": self.data_parallel_rank}
 
     @property
     def world_size(self) -> int:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..checkpoint.optimizer import load_optim_state_dict
+from ..distributed.mesh import fsdp_submesh
 from ..parallel.clip_grad import clip_grad_norm_
 from ..parallel.precision import GradScaler
 
@@ -84,7 +85,8 @@ class StrategyStepsMixin:
     def _set_gradient_sync(self, model: nn.Module, *, last: bool) -> None:
         # Set before the forward as well as before the backward: DDP reads the flag in its forward
         # hook, FSDP2 in its backward hooks.
-        hsdp = isinstance(model, FSDPModule) and self.device_mesh is not None and self.device_mesh.ndim == 2
+        shard_mesh = fsdp_submesh(self.device_mesh)  # without the "tp" axis
+        hsdp = isinstance(model, FSDPModule) and shard_mesh is not None and shard_mesh.ndim == 2
         if self.defer_replica_all_reduce and hsdp:
             model.set_requires_all_reduce(last)
         elif hasattr(model, "set_requires_gradient_sync"):
