@@ -192,8 +192,8 @@ def tp_worker(args: argparse.Namespace, *, memory: bool) -> None:
                 "loadavg": os.getloadavg()[0],
             }
             if memory:
-                result["peak_gb"] = (read_status()["VmHWM"] - base) * 1024 / 1e9
-                result["train_peak_gb"] = (read_status()["VmHWM"] - before) * 1024 / 1e9
+                result["peak_gb"] = (read_status()["VmHWM"] - base) / 1e9  # read_status gives bytes
+                result["train_peak_gb"] = (read_status()["VmHWM"] - before) / 1e9
             if rank == 0:
                 print(f"[tp] {size_name} {name}: {median(result['tokens_per_s']):,.0f} tok/s", flush=True)
             emit_result(result)
