@@ -78,6 +78,7 @@ from _common import (
     reset_peak_rss,
     run_torchrun,
 )
+from _tp import TP_CONTENDERS, TP_RANKS, tp_table, tp_worker
 
 # (n_layer, n_embd, n_head, vocab): full is GPT-2's vocabulary with 24 layers of width 768 (GPT-2 medium depth).
 FULL_MODEL = (24, 768, 12, 50257)
@@ -347,6 +348,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gc-interval", type=int, default=2, help="selective checkpointing: every k-th block (default 2)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the gc comparison (medians; contenders alternate)")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"), help="PNG path; raw JSON beside it")
+    p.add_argument("--tp", action="store_true", help="only the tensor-parallel comparison (4 ranks, Llama-style)")
+    p.add_argument("--tp-batch", type=int, default=8, help="--tp: global batch (sequences per step, all layouts)")
+    p.add_argument("--tp-steps", type=int, default=0, help="--tp: timed steps (default 2, quick 1)")
+    p.add_argument("--tp-only", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
     p.add_argument("--gc-mode", choices=GC_MODES, default="off", help=argparse.SUPPRESS)
@@ -357,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.gc_batch = args.gc_batch or 2
     args.gc_seq = args.gc_seq or (128 if args.quick else 512)
     args.no_dp = args.no_dp or args.quick
+    args.tp_steps = args.tp_steps or (1 if args.quick else 2)
+    args.warmup = 1
     return args
 
 
@@ -372,8 +379,14 @@ def run(args: argparse.Namespace, kind: str, world: int, allocator: str, extra: 
 
 def main() -> None:
     args = parse_args()
+    if args.worker and args.tp:
+        tp_worker(args, memory=True)
+        return
     if args.worker:
         worker(args)
+        return
+    if args.tp:
+        main_tp(args)
         return
     for name in args.allocator:
         allocator_env(name)  # fail early on an unknown name or a missing library
@@ -434,6 +447,33 @@ def main() -> None:
         json.dump({"args": vars(args), "machine": info, "results": results, "gc_results": gc_results}, f, indent=1)
     path = plot(points, args.plot) if points else None
     print(f"plot: {path}" if path else "plot: skipped (no main table, or matplotlib is not installed)")
+
+
+def main_tp(args: argparse.Namespace) -> None:
+    """``--tp``: one launch of 4 ranks per layout (so each peak is its own), then the table."""
+    started = time.monotonic()
+    args.vocab = args.vocab or 8192
+    allocator = args.allocator[0] if len(args.allocator) == 1 else DEFAULT_ALLOCATOR
+    results: list[dict[str, Any]] = []
+    for name in TP_CONTENDERS:
+        print(f"running {name} on {TP_RANKS} ranks, malloc {allocator}...", file=sys.stderr, flush=True)
+        cmd = ["--worker", "--tp", "--tp-only", name, "--vocab", str(args.vocab), "--seq", str(args.seq)]
+        cmd += ["--tp-batch", str(args.tp_batch), "--tp-steps", str(args.tp_steps), "--rounds", "1"]
+        env = {**allocator_env(allocator), "CUDA_VISIBLE_DEVICES": ""}
+        results += run_torchrun(
+            os.path.abspath(__file__), [*cmd, *(["--quick"] if args.quick else [])], nproc=TP_RANKS, env=env
+        )
+    info = machine_summary()
+    print(
+        f"\n## Tensor parallelism, per-rank memory: Llama-style model, fp32 AdamW, {TP_RANKS} ranks on CPU/gloo "
+        f"(global batch {args.tp_batch}, seq {args.seq}, vocab {args.vocab}, malloc {allocator})\n"
+    )
+    print(
+        f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+        f"wall {time.monotonic() - started:.0f} s\n"
+    )
+    print("Peak: VmHWM after set-up and training minus the rank's RSS after the process group started.\n")
+    print(tp_table(results, memory=True))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/throughput.py            # full: 3 GPT-2 sizes, 4 rounds (about 8 min on 2 cores)
     .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, compile too, < 90 s
     .venv/bin/python benchmarks/throughput.py --compile only --sizes L2-E128 L6-E512   # the compile line alone
+    .venv/bin/python benchmarks/throughput.py --tp       # tensor parallelism: FSDP4, TP2 x DP2, FSDP2 x TP2 (4 ranks)
 
 Contenders, all training a ``transformers.GPT2LMHeadModel`` (built from ``GPT2Config``, float32, dropout
 off, the same seed) with ``torch.optim.AdamW`` on the same synthetic tokens:
@@ -39,6 +40,10 @@ the clock.
 (at least 2 steps, each timed: the first step of (a') is the compile time, into a fresh inductor cache), then
 timed in rotating order, one block of steps per contender per round. Tokens/s excludes the warm-up; the ratios
 (a')/(a), (b')/(b) and (a')/(b') are medians of per-round ratios, and the losses at the same step are compared.
+
+``--tp`` runs only the tensor-parallel comparison (``_tp.py``): a Llama-style model on 4 ranks as FSDP 4,
+TP 2 x DP 2 and FSDP 2 x TP 2, built side by side, the same global batch, rotating order; plus the bytes the
+collectives of one step move, weights (FSDP) against activations (TP).
 """
 
 import argparse
@@ -65,6 +70,7 @@ from _common import (
     random_tokens,
     run_torchrun,
 )
+from _tp import TP_RANKS, tp_table, tp_worker
 
 CONTENDERS = ("torchacc", "fsdp2", "ddp", "single")
 LABELS = {"torchacc": "(a) torchacc", "fsdp2": "(b) FSDP2", "ddp": "(c) DDP", "single": "(d) 1 process"}
@@ -360,6 +366,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    if args.tp:
+        tp_worker(args, memory=False)
+        return
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -634,12 +643,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="add the compute.compile comparison (a)/(b)/(a')/(b') after the others, or run only it "
         "(default: on with --quick, on the tiny size; off otherwise)",
     )
+    p.add_argument("--tp", action="store_true", help="only the tensor-parallel comparison (4 ranks, Llama-style)")
+    p.add_argument("--tp-batch", type=int, default=8, help="--tp: global batch (sequences per step, all layouts)")
+    p.add_argument("--tp-steps", type=int, default=0, help="--tp: timed steps per round (default 3, quick 1)")
+    p.add_argument("--tp-only", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.compile = args.compile or ("on" if args.quick else "off")
     args.rounds = args.rounds or (1 if args.quick else len(CONTENDERS))
     args.pairs = args.pairs if args.pairs is not None else (2 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.tp_steps = args.tp_steps or (1 if args.quick else 3)
     if args.device == "auto":
         import torch
 
@@ -659,6 +673,19 @@ def main() -> None:
             sys.exit(f"--device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}; pass --nproc")
     passed = [a for a in sys.argv[1:] if a != "--worker"]
     started = time.monotonic()
+    if args.tp:
+        results = run_torchrun(os.path.abspath(__file__), [*passed, "--worker"], nproc=TP_RANKS)
+        info = machine_summary()
+        print(
+            f"\n## Tensor parallelism: Llama-style model, fp32 AdamW, {TP_RANKS} ranks on CPU/gloo (global batch "
+            f"{args.tp_batch}, seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds of {args.tp_steps} steps)\n"
+        )
+        print(
+            f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+            f"load {max(r['loadavg'] for r in results):.1f}; wall {time.monotonic() - started:.0f} s\n"
+        )
+        print(tp_table(results, memory=False))
+        return
     env = allocator_env(args.allocator)
     cmd = [*passed, "--worker", "--device", args.device]
     # A fresh inductor cache, so the compile time below is a cold compile (not what an earlier run left behind).
