@@ -70,6 +70,10 @@ def test_tp2_matches_one_process(two):
     assert "model.layers.0.input_layernorm.weight" not in placements, "modules outside the plan stay plain"
 
 
+def test_an_optimizer_built_before_accelerate_is_moved_onto_the_split_parameters(two):
+    _assert_parity([r["tp2_optimizer_first"] for r in two])
+
+
 def test_qwen2_auto_plan_with_sequence_parallel_matches_one_process(two):
     _assert_parity([r["tp2_sp_qwen2"] for r in two], kind="qwen2")
     placements = two[0]["tp2_sp_qwen2"]["placements"]

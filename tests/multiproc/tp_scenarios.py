@@ -25,11 +25,16 @@ def llama_config(*, fsdp: int = 1, tp: int = 2, kind: str = "llama", **tp_extra)
     return config
 
 
-def train(config: torchacc.Config, kind: str = "llama") -> dict:
+def train(config: torchacc.Config, kind: str = "llama", *, optimizer_first: bool = False) -> dict:
     """5 AdamW steps with clipping; each rank starts from different weights (rank 0's win: sync_module_states)."""
     model = tiny_llama(seed=torchacc.dist.rank(), kind=kind)
-    model, loader = torchacc.accelerate(model, DataLoader(token_dataset(32), batch_size=2), config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = DataLoader(token_dataset(32), batch_size=2)
+    if optimizer_first:  # built on the unsplit parameters: accelerate() must move it onto the DTensors
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, loader, optimizer = torchacc.accelerate(model, loader, config, optimizer=optimizer)
+    else:
+        model, loader = torchacc.accelerate(model, loader, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, indices = [], [], []
     for batch in itertools.islice(loader, NUM_STEPS):
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -82,6 +87,7 @@ def train_dict_plan() -> dict:
 def two_rank_suite() -> dict:
     return {
         "tp2": train(llama_config()),
+        "tp2_optimizer_first": train(llama_config(), optimizer_first=True),
         "tp2_sp_qwen2": train(llama_config(kind="qwen2", sequence_parallel=True), kind="qwen2"),
         "dict_plan": train_dict_plan(),
     }

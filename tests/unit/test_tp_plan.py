@@ -98,6 +98,12 @@ def test_sequence_parallel_needs_blocks():
         resolve_tp_plan(model, {"0": "colwise", "1": "rowwise"}, size=2, sequence_parallel=True)
 
 
+def test_sequence_parallel_needs_an_output_layer_that_gathers():
+    plan = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"the output layer must gather them: add it to dist.tp.plan as "):
+        resolve_tp_plan(tiny_llama(), plan, size=2, sequence_parallel=True)
+
+
 def test_a_shared_weight_may_be_split_alike():
     model = tiny_llama(tie_word_embeddings=True)
     plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}  # both split dim 0

@@ -103,6 +103,7 @@ def shard_model(
     init_from = config.dist.fsdp.init_from
     if mesh is not None and config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
         sync_tensors([*model.parameters(), *model.buffers()])  # on the full tensors, before anything is split
+    originals = dict(model.named_parameters()) if mesh is not None else {}
     if plan.tp is not None and parallelize_fn is None:
         apply_tp(model, tp_submesh(mesh), plan.tp)
     shard_mesh = fsdp_submesh(mesh)
@@ -129,10 +130,7 @@ def shard_model(
         mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
         if mp_policy.param_dtype is not None:
             autocast_dtype = None  # the policy casts: see [Note: one precision mechanism] in precision.py
-        # See [Note: shard before moving]: no model.to(device) here. The tags name the parameters that
-        # sharding replaces: an optimizer still holding one fails at its first step instead of training nothing.
-        for name, param in model.named_parameters():
-            param._torchacc_replaced = name
+        # See [Note: shard before moving]: no model.to(device) here.
         if parallelize_fn is not None:
             model = parallelize_fn(model, mesh, mp_policy) or model
         else:
@@ -166,6 +164,12 @@ def shard_model(
                 sync_module_states=config.dist.fsdp.sync_module_states and init_from is None,
                 broadcast_buffers=config.dist.fsdp.broadcast_buffers,
             )
+    # The tags name the parameters that TP or sharding replaced: an optimizer still holding one is remapped
+    # (optimizer=) or fails at its first step instead of training nothing.
+    current = dict(model.named_parameters())
+    for name, param in originals.items():
+        if current.get(name) is not param:
+            param._torchacc_replaced = name
     if dtype is not None:
         install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
     if mesh is not None or world_size > 1:

@@ -158,6 +158,13 @@ def _add_sequence_parallel(model: nn.Module, styles: dict[str, str]) -> dict[str
             f"model.layers); none of {type(model).__name__}'s module lists holds a module of dist.tp.plan"
         )
     list_name, _ = blocks
+    heads = [n for n, style in styles.items() if style == "colwise_gather_output" and not n.startswith(list_name)]
+    if not heads:
+        raise ValueError(
+            "dist.tp.sequence_parallel=True leaves each rank with its own tokens after the last block, so the output "
+            "layer must gather them: add it to dist.tp.plan as 'colwise_gather_output' (e.g. 'lm_head': "
+            "'colwise_gather_output'), or set dist.tp.sequence_parallel=False"
+        )
     parent = list_name.rpartition(".")[0]
     extra = {f"{list_name}.0": _SPLIT}
     for name, style in styles.items():
