@@ -614,8 +614,8 @@ CASES = [
     Case(
         "strategy-tensor-parallel",
         ValueError,
-        "tensor_parallel_size=2: torchacc does not do tensor parallelism",
-        lambda ctx: torchacc.FSDP2Strategy(tensor_parallel_size=2),
+        "tensor_parallel_size must be an int >= 1, got 0; use a positive count",
+        lambda ctx: torchacc.FSDP2Strategy(tensor_parallel_size=0),
     ),
     Case(
         "all-reduce-unknown-op",

@@ -21,7 +21,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}; use a positive count (or 'auto' where allowed)")
 
 
 def check_options(
