@@ -4,6 +4,7 @@ test_strategy_tp.py. The same suite runs on 2 ranks (TP2) and on 4 ranks (FSDP2 
 import itertools
 import os
 
+import strategy_scenarios
 import torch
 from _models import tiny_llama, token_dataset
 from scenarios import full_state
@@ -41,16 +42,10 @@ def fresh(seed: int = 0, **kwargs):
 
 
 def train(strategy, model, optimizer, batches, num_steps: int) -> dict:
-    losses, indices, norms = [], [], []
-    for i, batch in enumerate(itertools.islice(batches, num_steps * strategy.accumulation_steps)):
-        loss = strategy.training_step({"input_ids": batch["input_ids"], "labels": batch["labels"]}, i)
-        strategy.backward(loss, model, optimizer)
-        norm = strategy.optimizer_step(optimizer, model)
-        losses.append(loss.item())
-        indices.append(batch["index"].tolist())
-        if norm is not None:
-            norms.append(norm)
-    return {"losses": losses, "indices": indices, "norms": norms}
+    """``num_steps`` optimizer steps of strategy_scenarios.train (each of accumulation_steps micro-batches)."""
+    return strategy_scenarios.train(
+        strategy, model, optimizer, itertools.islice(batches, num_steps * strategy.accumulation_steps)
+    )
 
 
 def tp_suite(out: str) -> dict:

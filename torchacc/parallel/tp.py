@@ -83,7 +83,10 @@ def _check_module(name: str, module: nn.Module, style: str, size: int) -> None:
         return
     if style == "embedding_rowwise" or (style == "rowwise" and isinstance(module, nn.Embedding)):
         if not isinstance(module, nn.Embedding):
-            raise ValueError(f"dist.tp.plan: {name} is a {kind}, but 'embedding_rowwise' splits an nn.Embedding")
+            raise ValueError(
+                f"dist.tp.plan: {name} is a {kind}, but 'embedding_rowwise' splits an nn.Embedding; use 'colwise' or "
+                "'rowwise' for an nn.Linear"
+            )
         if module.num_embeddings % size:
             raise ValueError(
                 f"dist.tp.plan: {name} has {module.num_embeddings} embeddings, not divisible by dist.tp.size={size}; "
