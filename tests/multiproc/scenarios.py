@@ -86,17 +86,28 @@ def loader_indices(num_samples: str = "12") -> dict:
     return {"epochs": epochs, "len": len(loader)}
 
 
-def meta_init_state(fsdp: int = 0, dp: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Tiny GPT-2 (HF init) and TinyNet (reset_parameters) built on the meta device, then accelerated."""
+def meta_init_state(
+    fsdp: int = 0, dp: int | None = None, *, tp: int = 1, rank_seeds: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Tiny GPT-2 (HF init) and TinyNet (reset_parameters) built on the meta device, then accelerated.
+
+    ``rank_seeds``: each rank seeds 7 + its rank before building (docs/checkpoints.md's per-rank seeding); the
+    replicas must still start from rank 0's draw. ``tp``: TinyNet's blocks split by a dict plan (its head, outside
+    the plan, stays replicated over the TP ranks); GPT-2 is left out (its Conv1D has no TP style).
+    """
     result = {}
-    for name, build, wrap in (("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"), ("tinynet", TinyNet, "Block")):
-        torch.manual_seed(7)
+    models = (("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"), ("tinynet", TinyNet, "Block"))
+    for name, build, wrap in models[1:] if tp > 1 else models:
+        torch.manual_seed(7 + (torchacc.dist.rank() if rank_seeds else 0))
         with torchacc.init_empty_weights():
             model = build()
         config = torchacc.Config()
         config.dist.fsdp.size = fsdp or torchacc.dist.world_size()
         config.dist.dp.size = dp
         config.dist.fsdp.wrap_layer_cls = {wrap}
+        if tp > 1:
+            config.dist.tp.size = tp
+            config.dist.tp.plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
         model = torchacc.accelerate(model, config=config)
         result[name] = full_state(model)
         first = next(model.parameters())
@@ -231,6 +242,8 @@ def hsdp_suite() -> dict:
         "hsdp_strided": train_gpt2(gpt2_config(fsdp=2, dp=2, dist__topology=["fsdp", "dp"]), num_steps=2),
         "meta_fsdp4": meta_init_state(fsdp=4),
         "meta_hsdp": meta_init_state(fsdp=2, dp=2),
+        "meta_hsdp_rank_seeds": meta_init_state(fsdp=2, dp=2, rank_seeds=True),
+        "meta_fsdp2_tp2_rank_seeds": meta_init_state(fsdp=2, tp=2, rank_seeds=True),
         "memory_report": report_scenarios.hsdp_reports(),
     }
 

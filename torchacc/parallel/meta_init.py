@@ -14,6 +14,12 @@ runs, ``_FullTensorRandom`` turns each random fill of a sharded tensor (``normal
 and so every ``nn.init`` function) into a fill of the full tensor from the same generator, of which the
 rank keeps its slice: the result does not depend on the world size or the device, for the cost of
 one full parameter at a time.
+
+[Note: meta init seeds] The draws must also not depend on how each rank was seeded: scripts often seed
+per rank (``torch.manual_seed(100 + rank)``) for dropout, and a model built normally is then made equal by
+``sync_module_states``, but a meta model has nothing to sync. So the own init runs from rank 0's random state
+(broadcast once), which makes HSDP's replicas and the parameters TP leaves whole start equal, and equal to one
+process seeded like rank 0; each rank gets its own state back afterwards.
 """
 
 import contextlib
@@ -26,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._utils.tied import retie, tied_names
+from ..distributed.collectives import broadcast
 from .init_from import load_weights, local_slices
 
 __all__ = ["init_empty_weights", "has_meta_params", "check_materializable", "materialize"]
@@ -142,7 +149,7 @@ def materialize(
     if init_from is not None:
         load_weights(model, init_from)
         return
-    with torch.no_grad(), _FullTensorRandom():
+    with torch.no_grad(), _random_state_of_rank0(device), _FullTensorRandom():
         hf_init = _hf_init(model)
         if hf_init is not None:
             # HF marks modules initialized when post_init() ran on meta tensors (a no-op); unmark them so
@@ -155,6 +162,23 @@ def materialize(
             for module in model.modules():
                 if any(True for _ in module.parameters(recurse=False)) and hasattr(module, "reset_parameters"):
                     module.reset_parameters()
+
+
+@contextlib.contextmanager
+def _random_state_of_rank0(device: torch.device) -> Iterator[None]:
+    """Draw from rank 0's random state inside this block: see [Note: meta init seeds]."""
+    accelerator = getattr(torch, device.type) if device.type != "cpu" else None
+    own = [torch.get_rng_state(), *([accelerator.get_rng_state(device)] if accelerator is not None else [])]
+    shared = broadcast(own)
+    torch.set_rng_state(shared[0])
+    if accelerator is not None:
+        accelerator.set_rng_state(shared[1], device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(own[0])
+        if accelerator is not None:
+            accelerator.set_rng_state(own[1], device)
 
 
 _RANDOM_FILLS = frozenset(
