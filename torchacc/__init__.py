@@ -6,6 +6,7 @@ The public surface, by job:
 * accelerate: :func:`accelerate` shards a model and splits a dataloader in one call;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
 * inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
+  :func:`accelerated_state` says what ``accelerate()`` did to a model (its layout, mesh, device);
 * checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
   :func:`load_optim_state_dict` (keyed by names), :func:`consolidate` and :func:`reshard_checkpoint`
   (offline, streaming);
@@ -24,6 +25,7 @@ from .checkpoint.offline.reshard import reshard_checkpoint
 from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig, TPConfig
 from .parallel.accelerate import accelerate
+from .parallel.accelerated import AcceleratedState, accelerated_state
 from .parallel.clip_grad import clip_grad_norm_
 from .parallel.memory_report import MemoryReport, memory_report
 from .parallel.meta_init import init_empty_weights
@@ -42,6 +44,8 @@ __all__ = [
     "TPConfig",
     "DataLoaderConfig",
     "accelerate",
+    "accelerated_state",
+    "AcceleratedState",
     "init_empty_weights",
     "memory_report",
     "MemoryReport",

@@ -75,7 +75,11 @@ def train_gpt2(config: torchacc.Config, *, optimizer_first: bool = False, num_st
         "num_params": sum(1 for _ in model.parameters()),
         "device": str(model.device),
         "keys": sorted(model.state_dict()),
-        "mesh": model._torchacc.mesh.mesh.tolist() if model._torchacc.mesh is not None else None,
+        "mesh": (
+            torchacc.accelerated_state(model).mesh.mesh.tolist()
+            if torchacc.accelerated_state(model).mesh is not None
+            else None
+        ),
     }
 
 

@@ -57,7 +57,7 @@ def train(config: torchacc.Config, kind: str = "llama", *, optimizer_first: bool
             for name, param in model.named_parameters()
             if isinstance(param, DTensor)
         },
-        "mesh": model._torchacc.mesh.mesh.tolist(),
+        "mesh": torchacc.accelerated_state(model).mesh.mesh.tolist(),
     }
 
 

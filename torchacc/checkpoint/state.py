@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._utils.tree import map_tensors
 from ..distributed import env
+from ..parallel.accelerated import accelerated_state
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
 __all__ += ["dtensor_like", "gather_full", "is_sharded"]
@@ -127,7 +128,7 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
         entry["offset"], entry["local_shape"] = offset, local
         tensors[key] = entry
     meta = {"format": FORMAT, "world_size": env.world_size(), "rank": env.rank(), "mesh": mesh_info, "tensors": tensors}
-    accelerated = getattr(model, "_torchacc", None)
+    accelerated = accelerated_state(model)
     if accelerated is not None:
         meta["run_id"] = accelerated.run_id
     return meta

@@ -1,11 +1,11 @@
 """``accelerate()``: the one call that turns a plain model and loader into a sharded training setup.
 
-Order of work: validate the config, the model, the loader and the optimizer without communicating
--> process group -> one meeting of all ranks that compares their configs and shares any validation
-error, so that a mistake (even one made on one rank only) raises on every rank instead of hanging
--> mesh -> the engine (activation checkpointing -> compile -> ``fully_shard`` bottom-up then the
-root, or DDP -> meta-device materialization -> mixed precision) -> optimizer remap. The engine
-(``torchacc/parallel/engine.py``) is shared with ``FSDP2Strategy``.
+Order of work: resolve the config into a ``Layout`` (validating it) and check the model, the loader and the
+optimizer against it without communicating -> process group -> one meeting of all ranks that compares their
+configs and shares any validation error, so that a mistake (even one made on one rank only) raises on every
+rank instead of hanging -> mesh -> the engine (activation checkpointing -> compile -> ``fully_shard``
+bottom-up then the root, or DDP -> meta-device materialization -> mixed precision) -> optimizer remap. The
+engine (``torchacc/parallel/engine.py``) is shared with ``FSDP2Strategy``.
 """
 
 import os
@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
-from ..distributed.mesh import data_parallel_rank
 from .agree import agree_on_config, report_config_error
 from .engine import remap_optimizer, shard_model
-from .plan import make_mesh, plan_model
+from .layout import Layout
+from .plan import plan_model
 
 __all__ = ["accelerate"]
 
@@ -73,22 +73,16 @@ def accelerate(
     world_size, rank = env.world_size(), env.rank()
     try:
         _require_torchrun(config, world_size)
-        config.validate(world_size)
-        plan = plan_model(model, config, optimizer=optimizer)
         device = env.device()
+        layout = Layout.from_config(config, world_size=world_size, device_type=device.type)
+        plan = plan_model(model, layout, optimizer=optimizer)
         loader = None
         if dataloader is not None:
             # the ranks of one TP group take the same batches: the sampler runs over the dp x fsdp ranks
             loader = shard_dataloader(
                 dataloader,
-                num_replicas=world_size // config.dist.tp.size,
-                rank=data_parallel_rank(
-                    rank,
-                    dp_size=config.resolved_dp_size(world_size),
-                    fsdp_size=config.dist.fsdp.size,
-                    tp_size=config.dist.tp.size,
-                    topology=config.dist.topology,
-                ),
+                num_replicas=layout.dims.num_data_ranks,
+                rank=layout.dims.data_parallel_rank(rank),
                 device=device,
                 shuffle=config.dataloader.shuffle,
                 drop_last=config.dataloader.drop_last,
@@ -104,8 +98,8 @@ def accelerate(
     # Everything above only checks; everything below may communicate.
     env.init_distributed(timeout=config.dist.timeout)
     agree_on_config(config, None)
-    mesh = make_mesh(config, world_size=world_size, device=device)
-    shard_model(model, config, plan, mesh=mesh, device=device, world_size=world_size)
+    mesh = layout.dims.build_mesh(device.type)
+    shard_model(model, layout, plan, mesh=mesh, device=device)
     if optimizer is not None:
         remap_optimizer(optimizer, model)
         return model, loader, optimizer

@@ -11,7 +11,6 @@ parameters to the mesh's device as it shards it (bottom-up, one unit at a time),
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import MethodType
 
 import torch
@@ -23,36 +22,24 @@ from torch.distributed.tensor import DTensor
 from .._utils.logging import warn_once
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
-from ..config import Config
 from ..distributed.collectives import broadcast, sync_tensors
 from ..distributed.mesh import fsdp_submesh, tp_submesh
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
+from .accelerated import AcceleratedState, record_accelerated
 from .activation_checkpoint import apply_activation_checkpointing
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
+from .layout import Layout
 from .memory_report import log_summary
 from .meta_init import materialize
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
 from .tp import apply_tp
 
-__all__ = ["AcceleratedState", "ParallelizeFn", "shard_model", "remap_optimizer"]
+__all__ = ["ParallelizeFn", "shard_model", "remap_optimizer"]
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], nn.Module | None]
-
-
-@dataclass(frozen=True)
-class AcceleratedState:
-    """What the engine did to a model, kept on it as ``model._torchacc``."""
-
-    device: torch.device
-    mesh: DeviceMesh | None
-    dp_size: int
-    fsdp_size: int
-    compute_dtype: torch.dtype | None
-    run_id: str  # new for each accelerated model, the same on all its ranks; recorded in its shard metadata
-    tp_size: int = 1
 
 
 def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:
@@ -74,12 +61,11 @@ def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> No
 
 def shard_model(
     model: nn.Module,
-    config: Config,
+    layout: Layout,
     plan: ModelPlan,
     *,
     mesh: DeviceMesh | None,
     device: torch.device,
-    world_size: int,
     parallelize_fn: ParallelizeFn | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
@@ -87,11 +73,10 @@ def shard_model(
 
     Args:
         model: the plain model (possibly on the meta device, see ``torchacc.init_empty_weights``).
-        config: the validated config.
-        plan: ``plan_model(model, config)``.
-        mesh: ``make_mesh(config, ...)``: FSDP/HSDP and TP over its parts when given, DDP or nothing otherwise.
+        layout: ``Layout.from_config(config, ...)``: everything this function does, resolved.
+        plan: ``plan_model(model, layout)``.
+        mesh: ``layout.dims.build_mesh(...)``: FSDP/HSDP and TP over its parts when given, DDP or nothing otherwise.
         device: this rank's device.
-        world_size: the job's world size.
         parallelize_fn: replaces the class-name wrapping: called as ``fn(model, mesh, mp_policy)``.
         mp_policy: replaces the policy derived from ``config.compute``.
 
@@ -100,34 +85,29 @@ def shard_model(
         accepts full, DTensor and local-shard state dicts.
     """
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if plan.meta else {}
-    init_from = config.dist.fsdp.init_from
-    if mesh is not None and config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
+    init_from = layout.init_from
+    if mesh is not None and layout.sync_module_states and not plan.meta and init_from is None:
         sync_tensors([*model.parameters(), *model.buffers()])  # on the full tensors, before anything is split
     originals = dict(model.named_parameters()) if mesh is not None else {}
     if plan.tp is not None and parallelize_fn is None:
         apply_tp(model, tp_submesh(mesh), plan.tp)
     shard_mesh = fsdp_submesh(mesh)
-    if config.memory.gc:
+    checkpointing = layout.checkpointing
+    if checkpointing is not None:
         apply_activation_checkpointing(
-            model, plan.gc_classes, num_layers=config.memory.gc_cnt, interval=config.memory.gc_interval
+            model, plan.gc_classes, num_layers=checkpointing.num_layers, interval=checkpointing.interval
         )
-    if config.compute.compile:
+    if layout.compile:
         _compile_blocks(model, plan.wrap_classes)
-    dtype = compute_dtype(bf16=config.compute.bf16, fp16=config.compute.fp16, device=device)
+    dtype = compute_dtype(layout.param_dtype, device=device)
     if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
         dtype = mp_policy.param_dtype
-    offload = None
-    if config.memory.offload_params:
-        if device.type == "cuda" and shard_mesh is not None:
-            offload = CPUOffloadPolicy()
-        elif device.type == "cuda":
-            warn_once("memory.offload_params=True needs FSDP (dist.fsdp.size > 1); it is ignored without sharding")
-        else:
-            warn_once("memory.offload_params=True is ignored on a CPU run: parameters already live in CPU memory")
+    for reason in layout.ignored:
+        warn_once(reason)
+    offload = CPUOffloadPolicy() if layout.offload_params else None
     autocast_dtype = dtype
     if shard_mesh is not None or (parallelize_fn is not None and mesh is not None):
-        reduce_dtype = getattr(torch, config.dist.fsdp.reduce_dtype)
-        mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+        mp_policy = mp_policy or MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=layout.reduce_dtype)
         if mp_policy.param_dtype is not None:
             autocast_dtype = None  # the policy casts: see [Note: one precision mechanism] in precision.py
         # See [Note: shard before moving]: no model.to(device) here.
@@ -139,13 +119,13 @@ def shard_model(
                 shard_mesh,
                 plan.wrap_classes,
                 mp_policy=mp_policy,
-                reshard_after_forward=config.dist.fsdp.reshard_after_forward,
+                reshard_after_forward=layout.reshard_after_forward,
                 offload_policy=offload,
-                forward_prefetch=config.dist.fsdp.forward_prefetch,
-                backward_prefetch=config.dist.fsdp.backward_prefetch,
+                forward_prefetch=layout.forward_prefetch,
+                backward_prefetch=layout.backward_prefetch,
             )
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
-        if config.dist.fsdp.broadcast_buffers:
+        if layout.broadcast_buffers:
             broadcast_changed_buffers(model)
         for name, param in model.named_parameters():
             param._torchacc_name = name  # names the parameter in optimizer-state errors
@@ -158,11 +138,11 @@ def shard_model(
             for name, param in model.named_parameters():
                 param._torchacc_name = name
             watch_optimizers()
-        if world_size > 1 and plan.tp is None:
+        if layout.dims.world_size > 1 and plan.tp is None:
             wrap_ddp(
                 model,
-                sync_module_states=config.dist.fsdp.sync_module_states and init_from is None,
-                broadcast_buffers=config.dist.fsdp.broadcast_buffers,
+                sync_module_states=layout.sync_module_states and init_from is None,
+                broadcast_buffers=layout.broadcast_buffers,
             )
     # The tags name the parameters that TP or sharding replaced: an optimizer still holding one is remapped
     # (optimizer=) or fails at its first step instead of training nothing.
@@ -172,7 +152,7 @@ def shard_model(
             param._torchacc_replaced = name
     if dtype is not None:
         install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
-    if mesh is not None or world_size > 1:
+    if mesh is not None or layout.dims.world_size > 1:
         route_forward_through_call(model)
     if not hasattr(type(model), "device"):
         model.device = device
@@ -180,11 +160,8 @@ def shard_model(
     # load_state_dict must also take full (consolidated) and local-shard state dicts.
     model.get_shard_metadata = MethodType(get_shard_metadata, model)
     model.load_state_dict = MethodType(load_state_dict, model)
-    dp_size = config.resolved_dp_size(world_size)
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
-    model._torchacc = AcceleratedState(
-        device, mesh, dp_size, config.dist.fsdp.size, dtype, run_id, tp_size=config.dist.tp.size
-    )
+    record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id))
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
     return model
 

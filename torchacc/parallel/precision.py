@@ -33,9 +33,9 @@ __all__ = ["compute_dtype", "install_precision", "GradScaler"]
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def compute_dtype(*, bf16: bool, fp16: bool, device: torch.device) -> torch.dtype | None:
-    """The low-precision compute dtype (None for float32), warning once when it will be slow here."""
-    if bf16:
+def compute_dtype(low: torch.dtype | None, *, device: torch.device) -> torch.dtype | None:
+    """The low-precision compute dtype ``low`` (None for float32), warning once when it will be slow here."""
+    if low == torch.bfloat16:
         if device.type == "cpu" and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
             warn_once(
                 "compute.bf16=True on a CPU without native bf16 (AVX512-BF16 or AMX): bf16 matmuls are emulated "
@@ -45,8 +45,7 @@ def compute_dtype(*, bf16: bool, fp16: bool, device: torch.device) -> torch.dtyp
             warn_once(
                 f"compute.bf16=True on {torch.cuda.get_device_name(device)}, which has no native bf16: it is slow"
             )
-        return torch.bfloat16
-    return torch.float16 if fp16 else None
+    return low
 
 
 def _scalars_to_float32(output: Any) -> Any:

@@ -26,8 +26,9 @@ from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from ..parallel.agree import agree_on_config, report_config_error
 from ..parallel.engine import shard_model
+from ..parallel.layout import Layout
 from ..parallel.meta_init import init_empty_weights
-from ..parallel.plan import make_mesh, plan_model
+from ..parallel.plan import plan_model
 from ..parallel.precision import GradScaler
 from .checkpoint import StrategyCheckpointMixin
 from .options import apply_options, check_options
@@ -168,8 +169,9 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
                 cpu_offload=self.cpu_offload,
                 activation_checkpointing_policy=self.activation_checkpointing_policy,
             )
-            self.config.validate(world)
-            data_ranks = world // self.config.dist.tp.size
+            device = env.device()
+            layout = Layout.from_config(self.config, world_size=world, device_type=device.type)
+            data_ranks = layout.dims.num_data_ranks
             per_step = self.micro_train_batch_size * data_ranks
             if self.train_batch_size is None:
                 self.train_batch_size = per_step
@@ -191,13 +193,12 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             import numpy
 
             numpy.random.seed(self.seed)
-        device = env.device()
-        self._env = {"device": device, "mesh": make_mesh(self.config, world_size=world, device=device)}
+        self._env = {"device": device, "mesh": layout.dims.build_mesh(device.type), "layout": layout}
         policy_fp16 = isinstance(self.mp_policy, MixedPrecisionPolicy) and self.mp_policy.param_dtype == torch.float16
         if self.config.compute.fp16 or policy_fp16:
             self.scaler = GradScaler(device)
         self.accumulation_steps = self.train_batch_size // per_step
-        self.data_parallel_size, self.tensor_parallel_size = data_ranks, self.config.dist.tp.size
+        self.data_parallel_size, self.tensor_parallel_size = data_ranks, layout.dims.tp
 
     # --- model -----------------------------------------------------------------------------------
 
@@ -225,7 +226,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             warn_once("FSDP2Strategy.parallelize() called again: the model is already parallelized; returning it")
             return self.model
         try:
-            plan = plan_model(model, self.config)
+            plan = plan_model(model, state["layout"])
         except (ValueError, TypeError) as exc:
             agree_on_config(self.config, exc)  # a model error on one rank only reaches the others
             raise
@@ -233,11 +234,10 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         policy = self.mp_policy if isinstance(self.mp_policy, MixedPrecisionPolicy) else None
         shard_model(
             model,
-            self.config,
+            state["layout"],
             plan,
             mesh=state["mesh"],
             device=state["device"],
-            world_size=env.world_size(),
             parallelize_fn=self.parallelize_fn,
             mp_policy=policy,
         )

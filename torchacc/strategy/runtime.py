@@ -9,7 +9,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import collectives, env
-from ..distributed.mesh import data_parallel_rank
 
 __all__ = ["StrategyRuntimeMixin"]
 
@@ -40,21 +39,12 @@ class StrategyRuntimeMixin:
     def data_parallel_world_size(self) -> int:
         """Number of data-parallel ranks, ``world_size / tensor_parallel_size`` (dp x fsdp): the ranks that take
         different batches."""
-        self._ready()
-        return env.world_size() // self.config.dist.tp.size
+        return self._ready()["layout"].dims.num_data_ranks
 
     @property
     def data_parallel_rank(self) -> int:
         """This rank's index among the data-parallel ranks; the ranks of one TP group share it."""
-        self._ready()
-        dist_cfg, world = self.config.dist, env.world_size()
-        return data_parallel_rank(
-            env.rank(),
-            dp_size=self.config.resolved_dp_size(world),
-            fsdp_size=dist_cfg.fsdp.size,
-            tp_size=dist_cfg.tp.size,
-            topology=dist_cfg.topology,
-        )
+        return self._ready()["layout"].dims.data_parallel_rank(env.rank())
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
