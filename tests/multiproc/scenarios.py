@@ -199,6 +199,35 @@ def no_whole_model_moves() -> list[str]:
     return moved
 
 
+def unsharded_parameters_left_alive() -> dict:
+    """While accelerate() shards a model, each unit's unsharded parameters must be freed as it is sharded (holding
+    them all kept the whole model alive, and the shards then took fresh memory: a set-up cost growing with the
+    model). Count the originals still alive afterwards, with none held by the caller."""
+    import gc
+    import weakref
+
+    import torchacc.parallel.fsdp as fsdp_module
+
+    model = tiny_gpt2(seed=0)
+    blocks = {id(p) for p in model.transformer.h.parameters()}
+    refs = [weakref.ref(p) for p in model.parameters() if id(p) in blocks]
+    alive_at_root = []
+    real_fully_shard = fsdp_module.fully_shard
+
+    def spy(module, **kwargs):
+        if module is model:  # the root comes last: every block is sharded by now
+            gc.collect()
+            alive_at_root.append(sum(ref() is not None for ref in refs))
+        return real_fully_shard(module, **kwargs)
+
+    fsdp_module.fully_shard = spy
+    try:
+        torchacc.accelerate(model, config=gpt2_config(fsdp=2))
+    finally:
+        fsdp_module.fully_shard = real_fully_shard
+    return {"alive": alive_at_root, "num_params": len(refs)}
+
+
 def collectives() -> dict:
     rank = torchacc.dist.rank()
     result = {
@@ -232,6 +261,7 @@ def fsdp_suite() -> dict:
         "fp32": low_precision("fp32"),
         "bf16_sizes": gpt2_bf16_at_both_sizes(),
         "moves": no_whole_model_moves(),
+        "originals": unsharded_parameters_left_alive(),
         "collectives": collectives(),
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),

@@ -100,6 +100,12 @@ def test_meta_init_at_four_ranks_equals_one_process(four_ranks, layout):
                 assert torch.equal(result[layout][model][key], value), (model, key)
 
 
+def test_the_unsharded_parameters_are_not_kept_alive(two_ranks):
+    for rank_result in two_ranks:
+        originals = rank_result["originals"]
+        assert originals["num_params"] > 0 and originals["alive"] == [0], originals
+
+
 def test_collectives(two_ranks):
     for rank, result in enumerate(two_ranks):
         c = result["collectives"]

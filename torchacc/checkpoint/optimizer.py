@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..parallel.accelerated import parameter_name, replaced_name
 from .state import check_shard_metadata, dtensor_like, gather_full
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "watch_optimizers", "attach_load_hook", "shard_like"]
@@ -169,7 +170,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     for param in params:
         # Under FSDP2 an optimizer built before sharding updates parameters the model no longer uses:
         # the loss never moves and nothing says why (a known PyTorch trap).
-        name = getattr(param, "_torchacc_replaced", None)
+        name = replaced_name(param)
         if name is not None:
             raise RuntimeError(
                 f"this optimizer holds parameters that torchacc.accelerate() replaced by sharded ones (first: "
@@ -180,7 +181,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         for param in params:
             state = optimizer.state.get(param)
             if state:
-                name = getattr(param, "_torchacc_name", "?")
+                name = parameter_name(param)
                 optimizer.state[param] = {k: shard_like(param, name, k, v) for k, v in state.items()}
         attach_load_hook(optimizer)
     _watched.add(optimizer)
@@ -209,6 +210,6 @@ def _shard_loaded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, 
             raise ValueError(
                 f"optimizer.load_state_dict: state for parameter index {index!r}, which no group holds; {fix}"
             )
-        name = getattr(param, "_torchacc_name", f"#{index}")
+        name = parameter_name(param, f"#{index}")
         state[index] = {k: shard_like(param, name, k, v) for k, v in values.items()}
     return {**state_dict, "state": state}

@@ -1,8 +1,10 @@
 """What the engine did to a model: ``AcceleratedState``, kept beside the model (not on it) and looked up by it.
 
-[Note: no state on the model] The engine records its work in a registry keyed by the model object (held
-weakly), not in attributes on the model or its parameters: checkpoint and metrics code asks
-``accelerated_state(model)``, and a model that is dropped takes its entry with it.
+[Note: no state on the model] The engine records its work in registries keyed by the objects (held weakly),
+not in attributes on the model or its parameters: later code asks ``accelerated_state(model)``, the name of a
+sharded parameter (``parameter_name``, for optimizer-state errors) or the name of a parameter that sharding
+replaced (``replaced_name``: an optimizer still holding one would train nothing). An object that is dropped
+takes its entry with it, and the unsharded parameters are not kept alive while the model is sharded.
 """
 
 import weakref
@@ -11,12 +13,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .layout import Layout
 
-__all__ = ["AcceleratedState", "accelerated_state", "record_accelerated"]
+__all__ = [
+    "AcceleratedState",
+    "accelerated_state",
+    "record_accelerated",
+    "parameter_name",
+    "record_parameter_names",
+    "replaced_name",
+    "record_replaced",
+]
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, AcceleratedState]" = weakref.WeakKeyDictionary()
+_NAMES = WeakIdKeyDictionary()  # a parameter of an accelerated model -> its name in the model
+_REPLACED = WeakIdKeyDictionary()  # a parameter that sharding or TP replaced -> the name it had
 
 
 @dataclass(frozen=True)
@@ -47,3 +60,28 @@ def accelerated_state(model: nn.Module) -> AcceleratedState | None:
         'fsdp=2'
     """
     return _STATES.get(model)
+
+
+def record_parameter_names(model: nn.Module) -> None:
+    """Remember the name of each of ``model``'s (sharded) parameters."""
+    for name, param in model.named_parameters():
+        _NAMES[param] = name
+
+
+def parameter_name(param: torch.Tensor, default: str = "?") -> str:
+    """The name of a parameter of an accelerated model, or ``default``."""
+    return _NAMES.get(param, default)
+
+
+def record_replaced(originals: WeakIdKeyDictionary, model: nn.Module) -> None:
+    """Remember the names of the parameters in ``originals`` (parameter -> name, taken before sharding, held
+    weakly) that ``model`` no longer uses; the ones nobody holds any more are gone already."""
+    current = dict(model.named_parameters())
+    for param, name in list(originals.items()):
+        if current.get(name) is not param:
+            _REPLACED[param] = name
+
+
+def replaced_name(param: torch.Tensor) -> str | None:
+    """The name a parameter had before sharding or TP replaced it, or None for a parameter still in use."""
+    return _REPLACED.get(param)

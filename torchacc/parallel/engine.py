@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._utils.logging import warn_once
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
@@ -26,7 +27,14 @@ from ..distributed.collectives import broadcast, sync_tensors
 from ..distributed.mesh import fsdp_submesh, tp_submesh
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
-from .accelerated import AcceleratedState, record_accelerated
+from .accelerated import (
+    AcceleratedState,
+    parameter_name,
+    record_accelerated,
+    record_parameter_names,
+    record_replaced,
+    replaced_name,
+)
 from .activation_checkpoint import apply_activation_checkpointing
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
@@ -88,7 +96,9 @@ def shard_model(
     init_from = layout.init_from
     if mesh is not None and layout.sync_module_states and not plan.meta and init_from is None:
         sync_tensors([*model.parameters(), *model.buffers()])  # on the full tensors, before anything is split
-    originals = dict(model.named_parameters()) if mesh is not None else {}
+    # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
+    # kept the whole model alive through sharding, and every shard then took fresh memory).
+    originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
     if plan.tp is not None and parallelize_fn is None:
         apply_tp(model, tp_submesh(mesh), plan.tp)
     shard_mesh = fsdp_submesh(mesh)
@@ -127,16 +137,14 @@ def shard_model(
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
         if layout.broadcast_buffers:
             broadcast_changed_buffers(model)
-        for name, param in model.named_parameters():
-            param._torchacc_name = name  # names the parameter in optimizer-state errors
+        record_parameter_names(model)  # names the parameters in optimizer-state errors
         watch_optimizers()
     else:
         if not plan.meta:
             model.to(device)
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
         if plan.tp is not None:  # TP alone: DTensor parameters too (see [Note: plain optimizer loads])
-            for name, param in model.named_parameters():
-                param._torchacc_name = name
+            record_parameter_names(model)
             watch_optimizers()
         if layout.dims.world_size > 1 and plan.tp is None:
             wrap_ddp(
@@ -144,12 +152,9 @@ def shard_model(
                 sync_module_states=layout.sync_module_states and init_from is None,
                 broadcast_buffers=layout.broadcast_buffers,
             )
-    # The tags name the parameters that TP or sharding replaced: an optimizer still holding one is remapped
-    # (optimizer=) or fails at its first step instead of training nothing.
-    current = dict(model.named_parameters())
-    for name, param in originals.items():
-        if current.get(name) is not param:
-            param._torchacc_replaced = name
+    # The parameters that TP or sharding replaced: an optimizer still holding one is remapped (optimizer=) or
+    # fails at its first step instead of training nothing.
+    record_replaced(originals, model)
     if dtype is not None:
         install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
     if mesh is not None or layout.dims.world_size > 1:
@@ -181,7 +186,7 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     new_params = dict(model.named_parameters())
 
     def remap(param: nn.Parameter) -> nn.Parameter:
-        name = getattr(param, "_torchacc_replaced", None)
+        name = replaced_name(param)
         return param if name is None else new_params[name]
 
     for group in optimizer.param_groups:
@@ -189,8 +194,6 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     for old, state in list(optimizer.state.items()):
         new = remap(old)
         del optimizer.state[old]
-        optimizer.state[new] = {
-            key: shard_like(new, getattr(new, "_torchacc_name", "?"), key, v) for key, v in state.items()
-        }
+        optimizer.state[new] = {key: shard_like(new, parameter_name(new), key, v) for key, v in state.items()}
     if any(isinstance(p, DTensor) for p in new_params.values()):
         attach_load_hook(optimizer)
