@@ -7,7 +7,8 @@ module holds the constructor and the setup (environment, model, data); the rest 
 * options: checked and written into the ``Config`` by ``options.py``;
 * device, mesh, ranks and collectives: ``StrategyRuntimeMixin`` (``runtime.py``);
 * steps (forward, backward, optimizer step, accumulation): ``StrategyStepsMixin`` (``steps.py``);
-* checkpoints: ``StrategyCheckpointMixin`` (``checkpoint.py``).
+* checkpoints: ``StrategyCheckpointMixin`` (``checkpoint.py``);
+* optimizer state out of GPU memory and back: ``StrategyOffloadMixin`` (``offload.py``).
 """
 
 import contextlib
@@ -31,6 +32,7 @@ from ..parallel.meta_init import init_empty_weights
 from ..parallel.plan import make_mesh, plan_model
 from ..parallel.precision import GradScaler
 from .checkpoint import StrategyCheckpointMixin
+from .offload import StrategyOffloadMixin
 from .options import apply_options, check_options
 from .runtime import StrategyRuntimeMixin
 from .steps import StrategyStepsMixin
@@ -38,7 +40,7 @@ from .steps import StrategyStepsMixin
 __all__ = ["FSDP2Strategy"]
 
 
-class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpointMixin):
+class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpointMixin, StrategyOffloadMixin):
     """Drive FSDP2 training step by step: set up, parallelize, then train with explicit step calls.
 
     Args:

@@ -14,7 +14,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from .._utils.fs import describe_os_error
 from ..checkpoint import _checksums
@@ -36,10 +35,6 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _full_state_on_rank0(model: nn.Module) -> dict[str, Any]:
     """Every tensor gathered (a collective: all ranks call it); rank 0 keeps CPU copies, the others ``{}``."""
     state = gather_full(model.state_dict(), keep=env.rank() == 0)
@@ -52,7 +47,6 @@ class StrategyCheckpointMixin:
     model: nn.Module | None
     state_dict_type: str
     checkpoint_io: Any
-    cpu_offload: bool
     global_step: int
     scaler: Any
     dataloader: Any
@@ -257,7 +251,7 @@ class StrategyCheckpointMixin:
             self.scaler.load_state_dict(scaler_state)
         return path, extra
 
-    # --- export and offload ------------------------------------------------------------------------
+    # --- export --------------------------------------------------------------------------------------
 
     def save_model(self, model: nn.Module, tokenizer: Any, output_dir: str | os.PathLike[str]) -> None:
         """Write a Hugging Face ``save_pretrained`` directory (safetensors) from the gathered full state.
@@ -280,39 +274,3 @@ class StrategyCheckpointMixin:
             except Exception as exc:  # every rank raises, instead of waiting in a barrier
                 error = describe_os_error(exc, output_dir)
         collectives.raise_on_any_rank(error, what=f"save_model({os.fspath(output_dir)!r})")
-
-    def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device | None) -> None:
-        """Move the state tensors of ``optimizer`` to ``device`` (None: next to each one's parameter).
-
-        A DTensor is moved itself: ``DTensor.to`` moves its local shard and keeps its mesh and placements, with
-        no communication. (``DTensor.from_local`` would put the shard back on the mesh's device type: a CUDA
-        mesh under ``CPUOffloadPolicy`` holds shards in CPU memory.) State already in place is left as it is;
-        scalars (Adam's ``step``) stay where the optimizer keeps them.
-        """
-        moved = False
-        for param, state in optimizer.state.items():
-            target = device if device is not None else _local(param).device
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0 or _local(value).device == target:
-                    continue
-                state[key] = value.to(target, non_blocking=True)
-                moved = True
-        if moved and torch.cuda.is_available():
-            torch.cuda.synchronize()  # copies to the host made with non_blocking are complete only after it
-            torch.cuda.empty_cache()  # hand the freed blocks back, for whatever runs in between
-
-    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """With ``cpu_offload`` on a CUDA run, move optimizer state to CPU memory (e.g. during generation).
-
-        Under FSDP ``cpu_offload`` keeps the parameters' shards, and so their optimizer state, in CPU memory
-        already: nothing moves then. Without sharding (where ``cpu_offload`` cannot offload the parameters) the
-        state leaves the GPU until ``maybe_load_optimizer``.
-        """
-        if self.cpu_offload and env.device().type == "cuda":
-            self._move_optimizer_state(optimizer, torch.device("cpu"))
-
-    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bring optimizer state moved by ``maybe_offload_optimizer`` back next to its parameters (the same
-        device as each parameter's local shard; a no-op for state already there)."""
-        if self.cpu_offload and env.device().type == "cuda":
-            self._move_optimizer_state(optimizer, None)
