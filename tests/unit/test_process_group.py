@@ -55,6 +55,13 @@ def test_a_group_without_a_cpu_backend_is_refused_naming_the_fix(user_group, mon
     assert user_group == [1], "the device is set before the refusal"
 
 
+def test_a_real_group_without_a_cpu_backend_is_refused(tmp_path):
+    # a group with a backend for CUDA tensors only, as NCCL alone starts it; gloo can stand in on this machine
+    dist.init_process_group("cuda:gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"backend 'cuda:gloo', which has no backend for CPU tensors"):
+        env.init_distributed()
+
+
 @pytest.mark.parametrize("config", ["cpu:gloo,cuda:nccl", "cpu:gloo,cuda:gloo", "cuda:nccl,cpu:gloo"])
 def test_groups_with_a_cpu_backend_are_adopted(user_group, monkeypatch, config):
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
