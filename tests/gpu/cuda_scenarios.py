@@ -6,6 +6,7 @@ and the next scenario runs, so that a first GPU run reports every broken path, n
 scenario that fails on one rank only can still leave the others in a collective until ``dist.timeout``.)
 """
 
+import gc
 import itertools
 import os
 import sys
@@ -237,6 +238,7 @@ def strategy_offload_round_trip() -> dict:
 def peak_memory() -> dict:
     """GPU memory of a larger GPT-2 built on the meta device and sharded over the ranks: after set-up and around
     one AdamW step, against the bytes of the whole model."""
+    gc.collect()  # the models of earlier scenarios (HF models hold reference cycles) go before the baseline
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
