@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _models import tiny_gpt2, token_dataset
 from scenarios import full_state
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 import torchacc
@@ -55,11 +56,27 @@ def parity(sharding: str, **kwargs) -> dict:
 
 def two_rank_suite(out: str) -> dict:
     results = {s: parity(s) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    results["NO_SHARD_fn"] = no_shard_parallelize_fn()
     results["deferred"] = deferred_restore(out)
     results["rotation"] = rotation_and_export(out)
     results["meta_memory"] = meta_memory()
     results["fp16"] = fp16_scaling()
     return results
+
+
+def no_shard_parallelize_fn() -> dict:
+    """NO_SHARD with a parallelize_fn: the fn is called, with a mesh whose "fsdp" axis has one rank."""
+    seen = {}
+
+    def parallelize_fn(model, mesh, mp_policy):
+        seen.update(names=mesh.mesh_dim_names, shape=tuple(mesh.shape))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+    result = parity("NO_SHARD", parallelize_fn=parallelize_fn)
+    result["fn_mesh"] = seen
+    return result
 
 
 def hybrid_suite() -> dict:

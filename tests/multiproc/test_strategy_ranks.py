@@ -63,6 +63,13 @@ def test_sharding_strategies_match_single_process_with_accumulation_and_clipping
     assert_strategy_parity([r[sharding] for r in results])
 
 
+def test_no_shard_calls_parallelize_fn_with_a_replicating_mesh(two_ranks):
+    results, _ = two_ranks
+    for result in results:
+        assert result["NO_SHARD_fn"]["fn_mesh"] == {"names": ("dp", "fsdp"), "shape": (2, 1)}
+    assert_strategy_parity([r["NO_SHARD_fn"] for r in results])
+
+
 @pytest.mark.parametrize("variant", ["HYBRID_SHARD", "HYBRID_DEFER"])
 def test_hybrid_shard_on_two_emulated_nodes(four_ranks, variant):
     assert "(dp=2, fsdp=2)" in four_ranks[0][variant]["mesh"].replace(" ", "").replace(",", ", ")

@@ -3,6 +3,8 @@
 import pytest
 import torch
 from _models import TinyNet, tiny_gpt2, token_dataset
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import torchacc
@@ -106,3 +108,28 @@ def test_clip_grad_norm_matches_torch_in_one_process():
     assert torchacc.clip_grad_norm_(b.parameters(), 0.1) == pytest.approx(expected, rel=1e-6)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_parallelize_fn_is_called_in_one_process_with_a_one_rank_mesh():
+    seen = {}
+
+    def parallelize_fn(model, mesh, mp_policy):
+        seen.update(names=mesh.mesh_dim_names, shape=tuple(mesh.shape), policy=mp_policy)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+    strategy = FSDP2Strategy(parallelize_fn=parallelize_fn, mp_policy="bf16")
+    strategy.setup_environment()
+    assert strategy.device_mesh.mesh_dim_names == ("fsdp",) and strategy.device_mesh.size() == 1
+    torch.manual_seed(0)
+    model = strategy.parallelize(TinyNet())
+    assert seen["names"] == ("fsdp",) and seen["shape"] == (1,)
+    assert seen["policy"].param_dtype == torch.bfloat16, "the policy the fn gets is the strategy's"
+    assert isinstance(model.blocks[0], FSDPModule) and isinstance(model.head.weight, DTensor)
+    strategy.loss_fn = lambda model, batch: model(batch).float().square().mean()
+    optimizer = strategy.create_optimizer(model, lr=0.1)
+    before = model.head.weight.full_tensor().clone()
+    strategy.backward(strategy.training_step(torch.ones(2, 16), 0), model, optimizer)
+    strategy.optimizer_step(optimizer, model)
+    assert not torch.equal(before, model.head.weight.full_tensor()), "the fn's sharded model trains"

@@ -2,11 +2,14 @@
 
 Without torchrun (no ``WORLD_SIZE`` in the environment) everything behaves as a world of one and no
 process group is created. Under torchrun the default group is started on first need, once: NCCL for
-CUDA tensors (with gloo beside it for CPU tensors), gloo on a CPU-only machine.
+CUDA tensors (with gloo beside it for CPU tensors), gloo on a CPU-only machine. A group the script
+started itself is adopted after two checks (this rank's device, a CPU backend); at exit the group is
+destroyed unless the process is dying of an exception.
 """
 
 import atexit
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -44,51 +47,89 @@ def _launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def init_distributed(*, timeout: float = 1800.0) -> bool:
-    """Start the default process group from the torchrun environment. Idempotent.
+def init_distributed(*, timeout: float = 1800.0, world_of_one: bool = False) -> bool:
+    """Start the default process group from the torchrun environment, or adopt the one already running. Idempotent.
+
+    A group the script started itself (``dist.init_process_group(...)`` before torchacc) is adopted as one that
+    torchacc starts: this rank computes on ``cuda:LOCAL_RANK``, and the group must have a backend for CPU
+    tensors, which torchacc communicates too (see [Note: CPU collectives]).
 
     Args:
         timeout: seconds any collective may wait before the job fails instead of hanging.
+        world_of_one: without torchrun, start a group of this one process (on an in-process store) instead of
+            running without one: a ``DeviceMesh`` needs a group.
 
     Returns:
-        True when a process group is running (launched by torchrun, or started by the user), False
-        for a plain ``python train.py`` run, which is treated as a world of one.
+        True when a process group is running (launched by torchrun, started by the user, or a world of one
+        asked for), False for a plain ``python train.py`` run, which is treated as a world of one.
 
     Raises:
-        ValueError: the environment is partial (``WORLD_SIZE`` without ``MASTER_ADDR``...), or asks for
-            more CUDA devices than this node has.
+        ValueError: the environment is partial (``WORLD_SIZE`` without ``MASTER_ADDR``...), asks for more CUDA
+            devices than this node has, or the running group has no CPU backend (``init_process_group("nccl")``).
 
     Example:
         >>> torchacc.dist.init_distributed(timeout=600)  # usually called for you by accelerate()
     """
     if dist.is_available() and dist.is_initialized():
+        _adopt_running_group()
         return True
-    if not _launched_by_torchrun():
+    alone = not _launched_by_torchrun()
+    if alone and not world_of_one:
         return False
     missing = [name for name in _TORCHRUN_VARS if name not in os.environ]
-    if missing:
+    if missing and not alone:
         raise ValueError(
             f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with "
             "`torchrun --nproc_per_node=N train.py`, or unset WORLD_SIZE to run as a single process"
         )
-    if torch.cuda.is_available():
-        num_devices = torch.cuda.device_count()
-        if local_rank() >= num_devices:
-            raise ValueError(
-                f"LOCAL_RANK={local_rank()} but this node has {num_devices} CUDA device(s): "
-                f"launch with --nproc_per_node <= {num_devices}"
-            )
-        torch.cuda.set_device(local_rank())
-        backend = "cpu:gloo,cuda:nccl"
+    backend = "cpu:gloo,cuda:nccl" if _use_local_device() else "gloo"
+    if alone:
+        rendezvous = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     else:
-        backend = "gloo"
-    store = _restart_store(timedelta(seconds=timeout))
-    rendezvous = {} if store is None else {"store": store, "rank": rank(), "world_size": world_size()}
+        store = _restart_store(timedelta(seconds=timeout))
+        rendezvous = {} if store is None else {"store": store, "rank": rank(), "world_size": world_size()}
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), **rendezvous)
     # A process that exits with a live gloo/NCCL group can abort in the C++ teardown
     # ("terminate called without an active exception"), turning a finished run into a failed job.
-    atexit.register(teardown)
+    atexit.register(_teardown_at_exit)
     return True
+
+
+def _use_local_device() -> bool:
+    """Make ``cuda:LOCAL_RANK`` this process's current device; False on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    num_devices = torch.cuda.device_count()
+    if local_rank() >= num_devices:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank()} but this node has {num_devices} CUDA device(s): "
+            f"launch with --nproc_per_node <= {num_devices}"
+        )
+    if torch.cuda.current_device() != local_rank():
+        torch.cuda.set_device(local_rank())
+    return True
+
+
+# [Note: CPU collectives] torchacc communicates CPU tensors in a CUDA job: the digests and broadcasts of
+# sync_module_states over a model still on the CPU (collectives.sync_tensors), the buffer-sync flags
+# (parallel/_buffers.py), the fp16 overflow flag (parallel/precision.py), and every collective on
+# CPU-offloaded shards and gradients (clipping, full_tensor, optimizer state). DTensor and FSDP run the
+# latter on the mesh's groups, which take the default group's backends, so a gloo group beside it could not
+# serve them: the default group itself needs a CPU backend. (The object collectives behind agree_on_config
+# and raise_on_any_rank, DCP's planning and init_from's broadcasts go through CUDA under NCCL.)
+
+
+def _adopt_running_group() -> None:
+    """Check a group torchacc may not have started: this rank's device, and a backend for CPU tensors."""
+    _use_local_device()
+    config = dist.get_backend_config()
+    if "cpu" not in {pair.split(":")[0].strip() for pair in config.split(",")}:
+        raise ValueError(
+            f"the process group was started with backend '{config}', which has no backend for CPU tensors, but "
+            "torchacc also communicates CPU tensors (state and buffer sync, CPU offload): start it with "
+            'dist.init_process_group("cpu:gloo,cuda:nccl"), or leave it to torchacc (remove the call; accelerate() '
+            "and FSDP2Strategy.setup_environment() start it)"
+        )
 
 
 _num_starts = 0
@@ -134,6 +175,18 @@ def teardown() -> None:
         # finalization and aborts the process ("terminate called without an active exception",
         # seen under CPU load; pytorch/pytorch#179291). Releasing the GIL a moment lets it finish.
         time.sleep(0.1)
+
+
+def _teardown_at_exit() -> None:
+    # [Note: no teardown on a dying rank] A rank that dies of an uncaught exception leaves its group as it is:
+    # under NCCL, destroy_process_group() can wait for a collective that a peer still has pending, and the job
+    # then waits out dist.timeout instead of ending when torchrun sees this rank fail (TorchTitan destroys only
+    # on a clean exit). sys.exc_info() is empty in an atexit hook; the interpreter records the uncaught
+    # exception in sys.last_value (and sys.last_exc from Python 3.12) before it runs the hooks. sys.exit(code)
+    # is not recorded there and counts as a clean exit.
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    teardown()
 
 
 def is_distributed() -> bool:

@@ -7,7 +7,8 @@ module holds the constructor and the setup (environment, model, data); the rest 
 * options: checked and written into the ``Config`` by ``options.py``;
 * device, mesh, ranks and collectives: ``StrategyRuntimeMixin`` (``runtime.py``);
 * steps (forward, backward, optimizer step, accumulation): ``StrategyStepsMixin`` (``steps.py``);
-* checkpoints: ``StrategyCheckpointMixin`` (``checkpoint.py``).
+* checkpoints: ``StrategyCheckpointMixin`` (``checkpoint.py``);
+* optimizer state out of GPU memory and back: ``StrategyOffloadMixin`` (``offload.py``).
 """
 
 import contextlib
@@ -24,6 +25,7 @@ from .._utils.logging import warn_once
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
+from ..distributed.mesh import build_mesh
 from ..parallel.agree import agree_on_config, report_config_error
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
@@ -31,6 +33,7 @@ from ..parallel.meta_init import init_empty_weights
 from ..parallel.plan import plan_model
 from ..parallel.precision import GradScaler
 from .checkpoint import StrategyCheckpointMixin
+from .offload import StrategyOffloadMixin
 from .options import apply_options, check_options
 from .runtime import StrategyRuntimeMixin
 from .steps import StrategyStepsMixin
@@ -38,7 +41,7 @@ from .steps import StrategyStepsMixin
 __all__ = ["FSDP2Strategy"]
 
 
-class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpointMixin):
+class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpointMixin, StrategyOffloadMixin):
     """Drive FSDP2 training step by step: set up, parallelize, then train with explicit step calls.
 
     Args:
@@ -59,8 +62,12 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             scales, ``optimizer_step`` unscales before clipping and skips steps with inf/NaN gradients.
         cpu_offload: keep shards and optimizer state in CPU memory (CUDA runs; ignored with a warning on CPU).
         activation_checkpointing_policy: class names (or classes) of the layers to checkpoint.
-        parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping (and the TP plan):
-            it gets the full mesh, with a ``"tp"`` axis under tensor parallelism.
+        parallelize_fn: ``fn(model, device_mesh, mp_policy)`` replacing the class-name wrapping, DDP and the TP
+            plan; it is always called, with the full mesh (a ``"tp"`` axis under tensor parallelism). Where
+            torchacc itself needs no mesh the fn gets one whose ``"fsdp"`` axis has a single rank, so that
+            ``fully_shard(module, mesh=device_mesh)`` replicates: ``("dp", "fsdp")`` of shape ``(world size, 1)``
+            for NO_SHARD, ``("fsdp",)`` of one rank in a one-process run (which then starts a process group of
+            its own process, as a ``DeviceMesh`` needs one).
         checkpoint_io: an object with ``save_checkpoint(checkpoint, path)``, ``load_checkpoint(path)`` and
             ``remove_checkpoint(path)`` that replaces the default file handling.
         state_dict_type: ``"full"`` (one file, written by rank 0) or ``"sharded"`` (a DCP directory).
@@ -185,7 +192,8 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             if world > 1:
                 report_config_error(self.config, exc)
             raise
-        env.init_distributed(timeout=self.config.dist.timeout)
+        needs_mesh = self.parallelize_fn is not None
+        env.init_distributed(timeout=self.config.dist.timeout, world_of_one=needs_mesh)
         agree_on_config(self.config, None)
         random.seed(self.seed)
         torch.manual_seed(self.seed)
@@ -193,7 +201,10 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             import numpy
 
             numpy.random.seed(self.seed)
-        self._env = {"device": device, "mesh": layout.dims.build_mesh(device.type), "layout": layout}
+        mesh = layout.dims.build_mesh(device.type)
+        if mesh is None and needs_mesh:  # see parallelize_fn above: a mesh that shards over one rank
+            mesh = build_mesh(device_type=device.type, dp_size=layout.dims.dp, fsdp_size=1)
+        self._env = {"device": device, "mesh": mesh, "layout": layout}
         policy_fp16 = isinstance(self.mp_policy, MixedPrecisionPolicy) and self.mp_policy.param_dtype == torch.float16
         if self.config.compute.fp16 or policy_fp16:
             self.scaler = GradScaler(device)

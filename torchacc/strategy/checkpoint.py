@@ -14,7 +14,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from .._utils.fs import describe_os_error
 from ..checkpoint import _checksums
@@ -48,7 +47,6 @@ class StrategyCheckpointMixin:
     model: nn.Module | None
     state_dict_type: str
     checkpoint_io: Any
-    cpu_offload: bool
     global_step: int
     scaler: Any
     dataloader: Any
@@ -253,7 +251,7 @@ class StrategyCheckpointMixin:
             self.scaler.load_state_dict(scaler_state)
         return path, extra
 
-    # --- export and offload ------------------------------------------------------------------------
+    # --- export --------------------------------------------------------------------------------------
 
     def save_model(self, model: nn.Module, tokenizer: Any, output_dir: str | os.PathLike[str]) -> None:
         """Write a Hugging Face ``save_pretrained`` directory (safetensors) from the gathered full state.
@@ -276,24 +274,3 @@ class StrategyCheckpointMixin:
             except Exception as exc:  # every rank raises, instead of waiting in a barrier
                 error = describe_os_error(exc, output_dir)
         collectives.raise_on_any_rank(error, what=f"save_model({os.fspath(output_dir)!r})")
-
-    def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, DTensor):
-                    local = value.to_local().to(device, non_blocking=True)
-                    state[key] = DTensor.from_local(
-                        local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
-                    )
-                elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = value.to(device, non_blocking=True)
-
-    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """With ``cpu_offload`` on a CUDA run, move optimizer state to CPU memory (e.g. during generation)."""
-        if self.cpu_offload and env.device().type == "cuda":
-            self._move_optimizer_state(optimizer, torch.device("cpu"))
-
-    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bring optimizer state moved by ``maybe_offload_optimizer`` back to the device."""
-        if self.cpu_offload and env.device().type == "cuda":
-            self._move_optimizer_state(optimizer, env.device())

@@ -32,7 +32,8 @@ class StrategyRuntimeMixin:
     @property
     def device_mesh(self) -> DeviceMesh | None:
         """The whole mesh: ``("fsdp",)`` or ``("dp", "fsdp")``, ``("dp", "fsdp", "tp")`` with tensor parallelism;
-        None for NO_SHARD without TP and single-process runs."""
+        None for NO_SHARD without TP and single-process runs, unless a ``parallelize_fn`` was given (it then gets
+        a mesh whose "fsdp" axis has one rank)."""
         return self._ready()["mesh"]
 
     @property
