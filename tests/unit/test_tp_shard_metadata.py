@@ -16,7 +16,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchacc.checkpoint import state
-from torchacc.checkpoint.offline._checks import check_metadata, check_tiling
+from torchacc.checkpoint.offline._checks import check_metadata
+from torchacc.checkpoint.offline._tiling import check_tiling
 from torchacc.checkpoint.offline.shard_set import TensorItem
 
 

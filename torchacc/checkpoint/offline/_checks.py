@@ -3,16 +3,15 @@
 Each file as it is opened: readable, a shard of the wanted section, and metadata with the structure
 ``model.get_shard_metadata()`` writes (see [Note: shard metadata]), so that no later step meets a
 missing key. Then the set: one world size, one run, every rank exactly once; per rank, the tensors
-rank 0 has, in the shapes and dtypes the metadata gives; per sharded tensor, pieces that tile it; and
-no output that is one of the inputs. Every refusal is a ValueError naming the file(s) and the fix.
+rank 0 has, in the shapes and dtypes the metadata gives; per sharded tensor, pieces that tile it (in
+``_tiling.py``); and no output that is one of the inputs. Every refusal is a ValueError naming the file(s) and the fix.
 """
 
 import functools
-import math
 import operator
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = [
     "check_metadata",
     "check_rank",
-    "check_tiling",
     "open_shard",
     "order_by_rank",
     "refuse_output_among_inputs",
@@ -220,102 +218,6 @@ def check_rank(path: str, data: dict[str, Any], section: str, items: "list[Tenso
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != item.dtype:
             got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{path}: {item.name} is {got}, expected shape {expected} and dtype {item.dtype}")
-
-
-def check_tiling(item: "TensorItem", pieces: Iterable[tuple[str, Sequence[int], Sequence[int]]], where: str) -> None:
-    """Raise ValueError unless ``pieces`` tile ``item``'s full shape exactly: no overlap, no gap.
-
-    Args:
-        item: the tensor.
-        pieces: (file, offset, local shape) of every rank's block; equal blocks in several files are replicas
-            (HSDP, or a tensor TP leaves whole) and count once, empty blocks count for nothing.
-        where: the directory of the files, for a gap (which no file holds).
-
-    See [Note: exact tiling] for how, at any world size, nothing of the tensor's size is built.
-    """
-    shape = tuple(item.shape)
-    blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
-    for path, offset, local in pieces:
-        lo = tuple(offset)
-        hi = tuple(o + n for o, n in zip(lo, local, strict=True))
-        if any(h > s for h, s in zip(hi, shape, strict=True)):
-            raise ValueError(
-                f"{item.name}: the piece in {path} (block {_region(lo, hi)}) reaches outside its full shape "
-                f"{list(shape)}; {_RESAVE}"
-            )
-        if all(h > o for o, h in zip(lo, hi, strict=True)):
-            blocks.setdefault((lo, hi), path)
-    if math.prod(shape) == 0:
-        return  # nothing to cover (and a 0-dim tensor is never sharded)
-    flaw = _first_flaw([(lo, hi, path) for (lo, hi), path in blocks.items()], shape, 0)
-    if flaw is None:
-        return
-    lo, hi, overlapping = flaw
-    if not overlapping:
-        raise ValueError(
-            f"{item.name}: no piece in {where} covers {_region(lo, hi)} of its full shape {list(shape)}; {_RESAVE}"
-        )
-    (lo_a, hi_a, a), (lo_b, hi_b, b) = overlapping
-    raise ValueError(
-        f"{item.name}: the pieces in {a} (block {_region(lo_a, hi_a)}) and {b} (block {_region(lo_b, hi_b)}) "
-        f"overlap on {_region(lo, hi)}, so some other part has no piece; {_RESAVE}"
-    )
-
-
-_RESAVE = (
-    "the shard metadata is corrupt or the files come from different layouts: re-save the shards with "
-    "model.get_shard_metadata()"
-)
-
-# [Note: exact tiling] Blocks tile a box exactly when, cut into slabs along dim 0 at every block's start and
-# end, the blocks spanning each slab tile the slab's remaining dims exactly; in one dim, sorted intervals must
-# follow each other end to start. A slab visits only the blocks that span it, so an FSDP x TP grid of N
-# blocks costs O(N log N) and a corrupt layout at most O(N^2) per dim, whatever the tensor's size.
-_Block = tuple[tuple[int, ...], tuple[int, ...], str]
-
-
-def _first_flaw(
-    blocks: list[_Block], shape: tuple[int, ...], dim: int
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[_Block, _Block] | None] | None:
-    """The first flaw of ``blocks`` (all spanning the current slab of dims < ``dim``) in tiling dims >= ``dim``:
-    (lo, hi, None) for a gap or (lo, hi, (block, block)) for an overlap, on dims >= ``dim``; None if exact."""
-    size, last = shape[dim], dim == len(shape) - 1
-    if last:
-        end, previous = 0, None
-        for block in sorted(blocks, key=lambda b: (b[0][dim], b[1][dim])):
-            start, stop = block[0][dim], block[1][dim]
-            if start > end:
-                return (end,), (start,), None
-            if start < end and previous is not None:  # previous is set once end > 0
-                return (start,), (min(end, stop),), (previous, block)
-            end, previous = stop, block
-        return ((end,), (size,), None) if end < size else None
-    cuts = sorted({0, size, *(b[0][dim] for b in blocks), *(b[1][dim] for b in blocks)})
-    starts = sorted(blocks, key=lambda b: b[0][dim])
-    active: list[_Block] = []
-    following = 0
-    for start, stop in zip(cuts, cuts[1:], strict=False):
-        active = [b for b in active if b[1][dim] > start]
-        while following < len(starts) and starts[following][0][dim] <= start:
-            active.append(starts[following])
-            following += 1
-        whole = len(active) == 1 and all(
-            active[0][0][d] == 0 and active[0][1][d] == shape[d] for d in range(dim + 1, len(shape))
-        )
-        if whole:
-            continue  # the common case of FSDP's dim-0 slabs: one block spanning every later dim
-        if not active:
-            rest = len(shape) - dim - 1
-            return (start, *(0,) * rest), (stop, *shape[dim + 1 :]), None
-        flaw = _first_flaw(active, shape, dim + 1)
-        if flaw is not None:
-            lo, hi, overlapping = flaw
-            return (start, *lo), (stop, *hi), overlapping
-    return None
-
-
-def _region(lo: Sequence[int], hi: Sequence[int]) -> str:
-    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(lo, hi, strict=True)) + "]"
 
 
 def _same_file(a: str, b: str) -> bool:

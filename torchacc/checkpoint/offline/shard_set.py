@@ -26,7 +26,8 @@ from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
 from ..state import is_sharded, parse_dtype
-from ._checks import check_rank, check_tiling, open_shard, order_by_rank
+from ._checks import check_rank, open_shard, order_by_rank
+from ._tiling import check_tiling
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
 
