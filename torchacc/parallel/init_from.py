@@ -8,8 +8,9 @@ difference is raised on every rank: a checkpoint of a bigger model would otherwi
 block, a smaller one fail halfway with a size error naming no key. A floating-point tensor may load into
 one of another floating-point dtype (a bf16 checkpoint into a float32 model): it is converted, as
 ``from_pretrained(torch_dtype=...)`` does. A read failing halfway (a damaged file, an I/O error) is shared
-too: in the rank-0 loop a one-element flag goes round before each tensor is sent, so the others stop at
-once instead of waiting in the broadcast until ``dist.timeout``.
+too: in the rank-0 loop each tensor travels with a status byte, so the others stop at once instead of
+waiting in the next broadcast until ``dist.timeout``; where every rank reads, the ranks exchange their errors
+once the reading is done.
 """
 
 import json
@@ -216,19 +217,21 @@ def _broadcast_from_rank0(model: nn.Module, path: str) -> None:
         except Exception as exc:  # shared below, so that no rank waits for a rank 0 that gave up
             error = _unreadable(path, exc, where=" on rank 0")
     raise_on_any_rank(error, what=_WHAT, error_type=ValueError)
-    failed = torch.zeros(1, dtype=torch.int32, device=env.device())
     for key, target in model.state_dict().items():
-        full = torch.empty(target.shape, dtype=target.dtype, device=env.device())
-        try:
-            if read is not None and error is None:
+        # the tensor's bytes and one status byte in one message: a failed read reaches every rank with the
+        # tensor it replaces, at no extra collective, and no rank waits for a tensor that will never come
+        num_bytes = target.numel() * target.element_size()
+        message = torch.empty(num_bytes + 1, dtype=torch.uint8, device=env.device())
+        full, sent = message[:num_bytes].view(target.dtype).view(target.shape), message[num_bytes:]
+        if read is not None:
+            try:
                 full.copy_(read(sources[key], ()))
-        except Exception as exc:
-            error = _unreadable(path, exc, where=f" on rank 0 at {key}")
-        # every rank learns of a failure before it waits in the broadcast for a tensor that will never come
-        dist.all_reduce(failed.fill_(error is not None), op=dist.ReduceOp.MAX)
-        if failed.item():
+            except Exception as exc:
+                error = _unreadable(path, exc, where=f" on rank 0 at {key}")
+            sent.fill_(error is None)
+        dist.broadcast(message, src=0)
+        if not sent.item():
             break
-        dist.broadcast(full, src=0)
         try:
             local = target.to_local() if isinstance(target, DTensor) else target
             local.copy_(full[local_slices(target)])
