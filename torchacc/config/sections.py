@@ -98,6 +98,9 @@ class FSDPConfig(Node):
     """A consolidated ``.pth`` file or a Hugging Face directory (safetensors) to load the weights from, after
     sharding: each rank reads only its slices (where only rank 0 can read it, rank 0 sends each tensor). Fills a
     model built with ``torchacc.init_empty_weights()``, and replaces the weights of a model built normally.
+    Every tensor must have the model's shape, or every rank raises a ValueError naming the key, both shapes and
+    the file, before any rank loads; a floating-point tensor may have another floating-point dtype and is
+    converted to the model's (a bfloat16 checkpoint into a float32 model), any other dtype difference is refused.
     None: a meta-device model gets its own init (``reset_parameters``, or the Hugging Face init)."""
 
 
