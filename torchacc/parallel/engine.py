@@ -36,6 +36,9 @@ from .meta_init import materialize
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
 from .tp import apply_tp
+from .tp_region import sum_replicated_grads
+from .tp_rng import check_rng_at_first_forward, sync_rng
+from .tp_sequence import install_sequence_check
 
 __all__ = ["AcceleratedState", "ParallelizeFn", "shard_model", "remap_optimizer"]
 
@@ -104,8 +107,11 @@ def shard_model(
     if mesh is not None and config.dist.fsdp.sync_module_states and not plan.meta and init_from is None:
         sync_tensors([*model.parameters(), *model.buffers()])  # on the full tensors, before anything is split
     originals = dict(model.named_parameters()) if mesh is not None else {}
+    tp_mesh = tp_submesh(mesh)
+    if tp_mesh is not None:
+        sync_rng(tp_mesh, device=device)  # see [Note: one random stream per TP group] in tp_rng.py
     if plan.tp is not None and parallelize_fn is None:
-        apply_tp(model, tp_submesh(mesh), plan.tp)
+        apply_tp(model, tp_mesh, plan.tp)
     shard_mesh = fsdp_submesh(mesh)
     if config.memory.gc:
         apply_activation_checkpointing(
@@ -164,6 +170,11 @@ def shard_model(
                 sync_module_states=config.dist.fsdp.sync_module_states and init_from is None,
                 broadcast_buffers=config.dist.fsdp.broadcast_buffers,
             )
+    if tp_mesh is not None:  # the checks go in front of FSDP's hooks: nothing has communicated yet
+        sum_replicated_grads(model)
+        check_rng_at_first_forward(model, tp_mesh, device=device)
+        if plan.tp is not None and plan.tp.sequence_parallel and parallelize_fn is None:
+            install_sequence_check(model, size=tp_mesh.size())
     # The tags name the parameters that TP or sharding replaced: an optimizer still holding one is remapped
     # (optimizer=) or fails at its first step instead of training nothing.
     current = dict(model.named_parameters())
