@@ -92,6 +92,7 @@ DECODERS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     # partial rotary, a "dense" output layer, fc1/fc2, and LayerNorms over head_dim inside the attention
     "phi": ("PhiConfig", "PhiForCausalLM", {"qk_layernorm": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),

@@ -206,6 +206,7 @@ def _region(styles: dict[str, str]) -> list[str]:
         ("gemma2", "auto", []),
         ("qwen3", DECODER_PLAN, ["self_attn.q_norm", "self_attn.k_norm"]),  # found without being named
         ("qwen3", "auto", ["self_attn.q_norm", "self_attn.k_norm"]),  # named by the model's own plan
+        ("gemma3", DECODER_PLAN, ["self_attn.q_norm", "self_attn.k_norm"]),
         ("phi", "auto", ["self_attn.q_layernorm", "self_attn.k_layernorm"]),
         ("phi3", "auto", []),  # its packed layers gather their output: nothing runs split
         ("gpt_neox", "auto", []),  # query_key_value groups q, k, v per head: colwise is right, not refused

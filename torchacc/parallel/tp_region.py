@@ -76,7 +76,7 @@ def _name_it(name: str, what: str, holder: str, layers: list[str]) -> ValueError
         "it runs on this rank's heads or features (its gradient then covers only those) or on the whole input. "
         f"Name it in dist.tp.plan: {name!r}: 'replicated_with_grad_allreduce' if it runs between the colwise and "
         "the rowwise layers (its gradient is then summed over the TP ranks), 'replicate' if it runs on the "
-        "module's whole input"
+        "module's whole input, or split it like the layers beside it ('colwise', 'rowwise')"
     )
 
 
