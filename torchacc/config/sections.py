@@ -115,8 +115,9 @@ class TPConfig(Node):
     plan: str | dict[str, str] = "auto"
     """Which module gets which split: "auto" takes a Hugging Face model's own plan (``model.tp_plan``, from
     ``config.base_model_tp_plan``); otherwise a mapping of module-name patterns (``*`` matches one name, e.g.
-    ``"layers.*.mlp.up_proj"``) to "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise" or
-    "sequence_parallel". See docs/tensor_parallel.md."""
+    ``"layers.*.mlp.up_proj"``) to "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+    "embedding_rowwise", "replicated_with_grad_allreduce", "replicate" or "sequence_parallel". Norms inside the
+    split layers (Qwen3's q_norm) are found without being named. See docs/tensor_parallel.md."""
     sequence_parallel: bool = False
     """Also split the activations between the TP layers along the sequence dimension (norms and residuals run
     on 1/tp of the tokens): less activation memory, the same communication volume."""
