@@ -116,6 +116,17 @@ def test_sequence_parallel_needs_an_output_layer_that_gathers():
         resolve_tp_plan(tiny_llama(), plan, size=2, sequence_parallel=True)
 
 
+def test_sequence_parallel_refuses_a_module_that_would_see_this_ranks_tokens_only():
+    """An attention-only plan (the MLP, or an MoE, left to FSDP) is exact without sequence parallelism; with it, the
+    MLP runs on 1/tp of the tokens and each rank would keep only their share of its gradient."""
+    plan = {f"model.layers.*.self_attn.{n}_proj": "colwise" for n in "qkv"}
+    plan.update({"model.layers.*.self_attn.o_proj": "rowwise", "lm_head": "colwise_gather_output"})
+    resolve_tp_plan(tiny_llama(), plan, size=2)  # exact without sequence parallelism
+    message = "model.layers.0.mlp.gate_proj (a Linear with parameters) sits inside the blocks but outside dist.tp.plan"
+    with pytest.raises(ValueError, match=re.escape(message) + ".*or set dist.tp.sequence_parallel=False"):
+        resolve_tp_plan(tiny_llama(), plan, size=2, sequence_parallel=True)
+
+
 def test_a_shared_weight_may_be_split_alike():
     model = tiny_llama(tie_word_embeddings=True)
     plan = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}  # both split dim 0

@@ -73,7 +73,30 @@ def add_sequence_parallel(model: nn.Module, styles: dict[str, str]) -> dict[str,
         after = name.rpartition(".")[0] == parent and not inside and name != list_name
         if is_norm(module) and (inside or after) and name not in styles:
             extra[name] = "sequence_parallel"
-    return {**styles, **extra}
+    styles = {**styles, **extra}
+    _check_local_modules(model, list_name, styles)
+    return styles
+
+
+def _check_local_modules(model: nn.Module, list_name: str, styles: dict[str, str]) -> None:
+    """Refuse a module with parameters that runs on this rank's tokens only and that no style covers.
+
+    Inside the blocks, outside the modules that gather the tokens, a module runs on 1/tp of them: its gradient
+    on each rank is that share's, and nothing would sum them (an MLP or MoE left out of an attention-only plan).
+    """
+    handled = [name for name, style in styles.items() if style != SPLIT]
+    gathering = [name for name, style in styles.items() if style == GATHER]
+    for name, module in model.named_modules():
+        if not name.startswith(f"{list_name}.") or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        if name in handled or any(name.startswith(f"{holder}.") for holder in gathering):
+            continue
+        raise ValueError(
+            f"dist.tp.sequence_parallel=True: {name} (a {type(module).__name__} with parameters) sits inside the "
+            "blocks but outside dist.tp.plan, so it would run on this rank's tokens only and each rank would keep "
+            "only their share of its gradient; add it (or the layers of its module) to dist.tp.plan, or set "
+            "dist.tp.sequence_parallel=False (every TP rank then runs it on all tokens, which is exact)"
+        )
 
 
 def gather_sequence(mesh: DeviceMesh):
