@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .layout import PipelineSchedule
 from .pipeline import StageModule
 
-__all__ = ["PipelineRuntime", "attach_pipeline", "pipeline_group", "train_step"]
+__all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "train_step"]
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, PipelineRuntime]" = weakref.WeakKeyDictionary()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -189,6 +189,11 @@ def attach_pipeline(
     _RUNTIMES[model] = runtime
     model.forward = _PipelinedForward(runtime)
     return runtime
+
+
+def is_pipelined(model: nn.Module) -> bool:
+    """Whether ``model`` runs as a pipeline (``dist.pp.size > 1``): train it with ``train_step``."""
+    return model in _RUNTIMES
 
 
 def pipeline_group(parameters: Iterable[torch.Tensor]) -> dist.ProcessGroup | None:
