@@ -32,6 +32,7 @@ __all__ = [
     "order_by_rank",
     "refuse_output_among_inputs",
     "refuse_writing_into_source",
+    "stage_groups",
 ]
 
 _PLACEMENT = re.compile(r"replicate|shard:(\d+)|strided_shard:(\d+):[1-9]\d*")
@@ -93,6 +94,11 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
             return f"{key!r} is {_show(meta[key])}, expected an int"
     if "run_id" in meta and not (isinstance(meta["run_id"], str) and meta["run_id"]):
         return f"'run_id' is {_show(meta['run_id'])}, expected a non-empty string"
+    if "pipeline" in meta:
+        pipe = meta["pipeline"]
+        ok = isinstance(pipe, dict) and _is_int(pipe.get("rank")) and _is_int(pipe.get("size"))
+        if not ok or not 0 <= pipe["rank"] < pipe["size"]:
+            return f"'pipeline' is {pipe!r}, expected {{'rank': r, 'size': n}} with 0 <= r < n"
     if not isinstance(meta["tensors"], dict):
         return f"'tensors' is {type(meta['tensors']).__name__}, expected a dict"
     for key, entry in meta["tensors"].items():
@@ -266,3 +272,22 @@ def refuse_writing_into_source(src: str, dst: str, num_shards: int) -> None:
         f"the output directory {dst!r} is the source directory {src!r}: the resharded files would {harm}; choose "
         f"another output directory, such as {os.path.join(src, f'resharded-{num_shards}')!r}"
     )
+
+
+def stage_groups(paths: list[str], data: list[dict[str, Any]]) -> list[list[int]]:
+    """The ranks of each pipeline stage group, in stage order: one group of every rank without a pipeline."""
+    pipelines = [d["shard_metadata"].get("pipeline") for d in data]
+    if all(p is None for p in pipelines):
+        return [list(range(len(data)))]
+    sizes = {None if p is None else p["size"] for p in pipelines}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"{paths[0]}: the files mix pipeline layouts ({sorted(map(str, sizes))} stage groups); keep one run's "
+            "files per directory, or narrow the pattern"
+        )
+    size = next(iter(sizes))
+    groups = [[r for r, p in enumerate(pipelines) if p["rank"] == stage] for stage in range(size)]
+    empty = [stage for stage, ranks in enumerate(groups) if not ranks]
+    if empty:
+        raise ValueError(f"{paths[0]}: no file of pipeline stage group {empty[0]} of {size}; the set is incomplete")
+    return groups
