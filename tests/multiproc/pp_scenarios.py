@@ -118,10 +118,13 @@ def refusals() -> dict:
     batch = batch_of(token_dataset(3)[0])
     errors = {}
     three = {k: torch.stack([v] * 3) for k, v in batch.items()}
+    config = pp_config(microbatches=2)
     for name, call in (
         ("microbatches", lambda: torchacc.train_step(model, three)),
         ("no_labels", lambda: torchacc.train_step(model, {"input_ids": three["input_ids"]})),
         ("training_forward", lambda: model(**three)),
+        ("strategy_loss_fn", lambda: torchacc.FSDP2Strategy(config, loss_fn=print).setup_environment()),
+        ("strategy_micro", lambda: torchacc.FSDP2Strategy(config, micro_train_batch_size=3).setup_environment()),
     ):
         try:
             call()

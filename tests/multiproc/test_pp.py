@@ -143,10 +143,10 @@ def test_pipeline_refusals_name_the_fix_on_every_rank(two):
         errors = result["refusals"]
         assert "batch of 3 samples does not divide into dist.pp.microbatches=2" in errors["microbatches"]
         assert "needs batch['labels']" in errors["no_labels"]
-        assert (
-            errors["training_forward"].startswith("RuntimeError")
-            and "torchacc.train_step" in errors["training_forward"]
-        )
+        assert errors["training_forward"].startswith("RuntimeError: a pipelined model (dist.pp.size > 1) cannot")
+        assert "torchacc.train_step(model, batch)" in errors["training_forward"]
+        assert "loss_fn= does not combine with config.dist.pp.size > 1" in errors["strategy_loss_fn"]
+        assert "micro_train_batch_size=3 does not divide into config.dist.pp.microbatches=2" in errors["strategy_micro"]
 
 
 def test_pp2_x_fsdp2_matches_one_process(four):
