@@ -153,7 +153,11 @@ def strategy_run() -> dict:
         if norm is not None:
             norms.append(norm)
     validation = strategy.validation_step(batch, 0).item()
-    return {"losses": losses, "norms": norms, "state": full_state(model), "validation": validation}
+    try:
+        strategy.model_state_dict()  # state_dict_type="full" (the default) gathers the whole model on rank 0
+    except ValueError as exc:
+        full = str(exc)
+    return {"losses": losses, "norms": norms, "state": full_state(model), "validation": validation, "full": full}
 
 
 def two_rank_suite(out: str) -> dict:

@@ -29,7 +29,7 @@ from ..distributed import env
 from ..parallel.accelerated import accelerated_state
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
-__all__ += ["dtensor_like", "gather_full", "is_sharded"]
+__all__ += ["dtensor_like", "gather_full", "gather_model", "is_sharded"]
 
 FORMAT = "torchacc-shards/1"
 
@@ -207,6 +207,22 @@ def gather_full(obj: Any, *, keep: bool = True, defaultdict_as_dict: bool = Fals
         return tensor.detach().cpu() if keep else None
 
     return map_tensors(full, obj, defaultdict_as_dict=defaultdict_as_dict)
+
+
+def gather_model(model: nn.Module, *, keep: bool = True) -> dict[str, Any]:
+    """``gather_full(model.state_dict())``: the whole model on this rank (see ``gather_full`` for ``keep``).
+
+    Raises:
+        ValueError: on every rank, for a pipelined model (``dist.pp.size > 1``): no rank holds the other stages.
+    """
+    accelerated = accelerated_state(model)
+    if accelerated is not None and accelerated.layout.dims.pp > 1:
+        raise ValueError(
+            "gathering the whole model on one rank (FSDP2Strategy state_dict_type='full', save_model) does not work "
+            "under dist.pp.size > 1, where each rank holds only its pipeline stages; save a sharded checkpoint "
+            "(state_dict_type='sharded', save_ckpt, torchacc.save_checkpoint) and consolidate it offline"
+        )
+    return gather_full(model.state_dict(), keep=keep)
 
 
 def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -> DTensor | None:

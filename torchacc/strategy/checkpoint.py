@@ -23,9 +23,8 @@ from ..checkpoint._safe_load import SafeEmptyLoadPlanner, SafeLoadPlanner, SafeR
 from ..checkpoint.dcp import save_checkpoint, save_dcp
 from ..checkpoint.dcp_load import load_checkpoint, require_latest
 from ..checkpoint.files import load, save
-from ..checkpoint.state import gather_full
+from ..checkpoint.state import gather_model
 from ..distributed import collectives, env
-from ..parallel.accelerated import accelerated_state
 
 __all__ = ["StrategyCheckpointMixin"]
 
@@ -39,13 +38,7 @@ def _dir_bytes(path: str) -> int:
 
 def _full_state_on_rank0(model: nn.Module) -> dict[str, Any]:
     """Every tensor gathered (a collective: all ranks call it); rank 0 keeps CPU copies, the others ``{}``."""
-    accelerated = accelerated_state(model)
-    if accelerated is not None and accelerated.layout.dims.pp > 1:  # the same on every rank: all raise
-        raise ValueError(
-            "state_dict_type='full' gathers the model on rank 0, but under dist.pp.size > 1 each rank holds only its "
-            "pipeline stages; use FSDP2Strategy(state_dict_type='sharded') or strategy.save_ckpt(...)"
-        )
-    state = gather_full(model.state_dict(), keep=env.rank() == 0)
+    state = gather_model(model, keep=env.rank() == 0)
     return state if env.rank() == 0 else {}
 
 

@@ -32,7 +32,6 @@ __all__ = [
     "order_by_rank",
     "refuse_output_among_inputs",
     "refuse_writing_into_source",
-    "stage_groups",
 ]
 
 _PLACEMENT = re.compile(r"replicate|shard:(\d+)|strided_shard:(\d+):[1-9]\d*")
@@ -272,22 +271,3 @@ def refuse_writing_into_source(src: str, dst: str, num_shards: int) -> None:
         f"the output directory {dst!r} is the source directory {src!r}: the resharded files would {harm}; choose "
         f"another output directory, such as {os.path.join(src, f'resharded-{num_shards}')!r}"
     )
-
-
-def stage_groups(paths: list[str], data: list[dict[str, Any]]) -> list[list[int]]:
-    """The ranks of each pipeline stage group, in stage order: one group of every rank without a pipeline."""
-    pipelines = [d["shard_metadata"].get("pipeline") for d in data]
-    if all(p is None for p in pipelines):
-        return [list(range(len(data)))]
-    sizes = {None if p is None else p["size"] for p in pipelines}
-    if len(sizes) > 1:
-        raise ValueError(
-            f"{paths[0]}: the files mix pipeline layouts ({sorted(map(str, sizes))} stage groups); keep one run's "
-            "files per directory, or narrow the pattern"
-        )
-    size = next(iter(sizes))
-    groups = [[r for r, p in enumerate(pipelines) if p["rank"] == stage] for stage in range(size)]
-    empty = [stage for stage, ranks in enumerate(groups) if not ranks]
-    if empty:
-        raise ValueError(f"{paths[0]}: no file of pipeline stage group {empty[0]} of {size}; the set is incomplete")
-    return groups

@@ -30,7 +30,8 @@ from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
 from ..state import is_sharded, parse_dtype
-from ._checks import check_rank, check_tiling, open_shard, order_by_rank, stage_groups
+from ._checks import check_rank, check_tiling, open_shard, order_by_rank
+from ._stages import merged_metadata, merged_optimizer, stage_groups
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
 
@@ -120,11 +121,7 @@ class ShardSet:
     @property
     def metadata(self) -> dict[str, Any]:
         """The shard metadata of every tensor (of the first rank of each pipeline stage group)."""
-        merged: dict[str, Any] = {}
-        for ranks in self._stages:
-            for key, entry in self._data[ranks[0]]["shard_metadata"]["tensors"].items():
-                merged.setdefault(key, entry)
-        return merged
+        return merged_metadata([self._data[ranks[0]] for ranks in self._stages])
 
     def _plan(self) -> list[TensorItem]:
         """Every tensor of each stage group's first rank, in stage order, with the ranks that hold it."""
@@ -291,20 +288,7 @@ class ShardSet:
         run's stage groups merged (their states side by side, the parameters of each param group in stage order)."""
         if self.section == "model":
             return {item.out_path[0]: None for item in self.items}
-        state: dict[str, Any] = {}
-        groups: list[dict[str, Any]] = []
-        for ranks in self._stages:
-            root = self._data[ranks[0]][self.section]
-            for name, values in root["state"].items():
-                plain = {k: (None if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
-                state.setdefault(canonical_name(name), plain)
-            for index, group in enumerate(root["param_groups"]):
-                params = [canonical_name(n) for n in group["params"]]
-                if index < len(groups):
-                    groups[index]["params"] += [n for n in params if n not in groups[index]["params"]]
-                else:
-                    groups.append({**group, "params": params})
-        return {"state": state, "param_groups": groups}
+        return merged_optimizer([self._data[ranks[0]][self.section] for ranks in self._stages], canonical_name)
 
     def aliases(self) -> dict[TensorItem, TensorItem]:
         """Model tensors that share storage with an earlier one in a file (tied weights): item -> first."""
