@@ -178,6 +178,7 @@ def four_rank_suite(out: str) -> dict:
             pp_config(kind="qwen2", fsdp=2, schedule="Interleaved1F1B", stages_per_rank=2), kind="qwen2"
         ),
         "pp2_tp2_llama": train(pp_config(tp=2)),
+        "pp2_dp2_llama_gpipe": train(pp_config(schedule="GPipe")),  # replicas of each stage (dist.dp.size=2)
         "resume_pp2_fsdp2": resume(pp_config(fsdp=2), out),
         "resume_fsdp4": resume(pp_config(pp=1, fsdp=4), out, step=False),
     }

@@ -166,6 +166,12 @@ def test_pp2_x_tp2_matches_one_process(four):
     assert results[0]["mesh"] == ("pp", "dp", "fsdp", "tp")
 
 
+def test_replicas_of_each_stage_match_one_process(four):
+    results = [r["pp2_dp2_llama_gpipe"] for r in four]
+    _assert_parity(results)
+    assert len({str(r["indices"]) for r in results}) == 2, "two data ranks, each with its own batches"
+
+
 def _union(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     union: dict[str, torch.Tensor] = {}
     for result in results:
@@ -215,3 +221,7 @@ def test_the_seed_per_rank_files_of_a_pipeline_consolidate_offline(four, out):
         torch.equal(optim["state"][k.rpartition("/")[0]][k.rpartition("/")[2]], v) for k, v in saved_optim.items()
     )
     assert optim["param_groups"][0]["params"] == list(model)
+    # resharded FSDP-style for 2 ranks, the files hold every tensor again (the stage groups are gone)
+    torchacc.reshard_checkpoint(shards, out / "four" / "resharded", num_shards=2)
+    again = torchacc.consolidate(str(out / "four" / "resharded" / "rank-*-of-2-model.pth"))["model"]
+    assert all(torch.equal(again[k], v) for k, v in saved.items())
