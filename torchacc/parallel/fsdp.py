@@ -161,8 +161,9 @@ def wrap_fsdp(
         fully_shard(module, **kwargs)
     for root in [model] if roots is None else roots:
         fully_shard(root, **kwargs)
-    units = [m for _, m in candidates]
-    _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
+        # a unit prefetches the next units of its own root only (a pipeline stage's blocks)
+        units = [m for _, m in candidates if any(m is sub for sub in root.modules())]
+        _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
     return model
 
 
