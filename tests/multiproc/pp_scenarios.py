@@ -88,7 +88,7 @@ def train(config: torchacc.Config, kind: str = "llama", *, save: str | None = No
             save_all(model, optimizer, loader, save, result)
     result["state"] = full_state(model)
     model.eval()
-    output = model(**batch_of(batch))  # evaluation: no torch.no_grad() needed once in eval mode
+    output = model(batch["input_ids"], labels=batch["labels"])  # no torch.no_grad() needed in eval mode
     result["eval"] = {"loss": output.loss.item(), "logits": None if output.logits is None else output.logits.shape}
     result["mesh"] = torchacc.accelerated_state(model).mesh.mesh_dim_names
     return result

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .layout import PipelineSchedule
@@ -143,6 +144,10 @@ class PipelineRuntime:
             loss = None
             if self.has_last and labels is not None:
                 loss = model.loss_function(logits=hidden, labels=labels, vocab_size=model.config.vocab_size)
+        for module in self.stage_modules:  # no backward will reshard them: free the gathered parameters now
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
         if labels is not None:
             loss = self._share(loss)
         return CausalLMOutputWithPast(loss=loss, logits=hidden if self.has_last else None)
@@ -171,9 +176,9 @@ class _PipelinedForward:
         self.runtime = runtime
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            raise ValueError("call a pipelined model with keyword arguments: model(input_ids=..., labels=...)")
-        return self.runtime.evaluate(kwargs)
+        if len(args) > 1 or (args and "input_ids" in kwargs):
+            raise ValueError("call a pipelined model as model(input_ids, ...) or with keyword arguments only")
+        return self.runtime.evaluate({"input_ids": args[0], **kwargs} if args else kwargs)
 
 
 def attach_pipeline(
