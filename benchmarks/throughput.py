@@ -6,6 +6,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, compile too, < 90 s
     .venv/bin/python benchmarks/throughput.py --compile only --sizes L2-E128 L6-E512   # the compile line alone
     .venv/bin/python benchmarks/throughput.py --tp       # tensor parallelism: FSDP4, TP2 x DP2, FSDP2 x TP2 (4 ranks)
+    .venv/bin/python benchmarks/throughput.py --pp       # pipeline parallelism: FSDP4, PP2 x FSDP2, PP2 x DP2, PP4
 
 Contenders, all training a ``transformers.GPT2LMHeadModel`` (built from ``GPT2Config``, float32, dropout
 off, the same seed) with ``torch.optim.AdamW`` on the same synthetic tokens:
@@ -44,6 +45,10 @@ timed in rotating order, one block of steps per contender per round. Tokens/s ex
 ``--tp`` runs only the tensor-parallel comparison (``_tp.py``): a Llama-style model on 4 ranks as FSDP 4,
 TP 2 x DP 2 and FSDP 2 x TP 2, built side by side, the same global batch, rotating order; plus the bytes the
 collectives of one step move, weights (FSDP) against activations (TP).
+
+``--pp`` runs only the pipeline-parallel comparison (``_pp.py``): the same model on 4 ranks as FSDP 4, PP 2 x
+FSDP 2, PP 2 x DP 2 and PP 4, trained by the same ``torchacc.train_step`` loop; plus the bytes of one step,
+weights (FSDP) against the activations sent at the stage boundaries.
 """
 
 import argparse
@@ -70,6 +75,7 @@ from _common import (
     random_tokens,
     run_torchrun,
 )
+from _pp import PP_RANKS, pp_table, pp_worker
 from _tp import TP_RANKS, tp_table, tp_worker
 
 CONTENDERS = ("torchacc", "fsdp2", "ddp", "single")
@@ -369,6 +375,9 @@ def worker(args: argparse.Namespace) -> None:
     if args.tp:
         tp_worker(args, memory=False)
         return
+    if args.pp:
+        pp_worker(args, memory=False)
+        return
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -647,6 +656,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-batch", type=int, default=8, help="--tp: global batch (sequences per step, all layouts)")
     p.add_argument("--tp-steps", type=int, default=0, help="--tp: timed steps per round (default 3, quick 1)")
     p.add_argument("--tp-only", help=argparse.SUPPRESS)
+    p.add_argument("--pp", action="store_true", help="only the pipeline-parallel comparison (4 ranks, Llama-style)")
+    p.add_argument("--pp-batch", type=int, default=8, help="--pp: global batch (sequences per step, all layouts)")
+    p.add_argument("--pp-steps", type=int, default=0, help="--pp: timed steps per round (default 3, quick 1)")
+    p.add_argument("--pp-only", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.compile = args.compile or ("on" if args.quick else "off")
@@ -654,6 +667,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.pairs = args.pairs if args.pairs is not None else (2 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.tp_steps = args.tp_steps or (1 if args.quick else 3)
+    args.pp_steps = args.pp_steps or (1 if args.quick else 3)
     if args.device == "auto":
         import torch
 
@@ -685,6 +699,19 @@ def main() -> None:
             f"load {max(r['loadavg'] for r in results):.1f}; wall {time.monotonic() - started:.0f} s\n"
         )
         print(tp_table(results, memory=False))
+        return
+    if args.pp:
+        results = run_torchrun(os.path.abspath(__file__), [*passed, "--worker"], nproc=PP_RANKS)
+        info = machine_summary()
+        print(
+            f"\n## Pipeline parallelism: Llama-style model, fp32 AdamW, {PP_RANKS} ranks on CPU/gloo (global batch "
+            f"{args.pp_batch}, seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds of {args.pp_steps} steps)\n"
+        )
+        print(
+            f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+            f"load {max(r['loadavg'] for r in results):.1f}; wall {time.monotonic() - started:.0f} s\n"
+        )
+        print(pp_table(results, memory=False))
         return
     env = allocator_env(args.allocator)
     cmd = [*passed, "--worker", "--device", args.device]

@@ -3,7 +3,8 @@
 The public surface, by job:
 
 * configure: :class:`Config` and its sections (from code, a dict, YAML or the command line);
-* accelerate: :func:`accelerate` shards a model and splits a dataloader in one call;
+* accelerate: :func:`accelerate` shards a model and splits a dataloader in one call; :func:`train_step` is the
+  forward and backward of one batch for every layout, pipelines included;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
 * inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
   :func:`accelerated_state` says what ``accelerate()`` did to a model (its layout, mesh, device);
@@ -23,12 +24,23 @@ from .checkpoint.offline.consolidate import consolidate
 from .checkpoint.offline.hf_export import export_hf
 from .checkpoint.offline.reshard import reshard_checkpoint
 from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
-from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig, TPConfig
+from .config import (
+    ComputeConfig,
+    Config,
+    DataLoaderConfig,
+    DistConfig,
+    DPConfig,
+    FSDPConfig,
+    MemoryConfig,
+    PPConfig,
+    TPConfig,
+)
 from .parallel.accelerate import accelerate
 from .parallel.accelerated import AcceleratedState, accelerated_state
 from .parallel.clip_grad import clip_grad_norm_
 from .parallel.memory_report import MemoryReport, memory_report
 from .parallel.meta_init import init_empty_weights
+from .parallel.pipeline_step import train_step
 from .parallel.precision import GradScaler
 from .strategy import FSDP2Strategy
 
@@ -42,8 +54,10 @@ __all__ = [
     "DPConfig",
     "FSDPConfig",
     "TPConfig",
+    "PPConfig",
     "DataLoaderConfig",
     "accelerate",
+    "train_step",
     "accelerated_state",
     "AcceleratedState",
     "init_empty_weights",

@@ -16,10 +16,11 @@ from torchacc.config import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    PPConfig,
     field_docs,
 )
 
-ALL_CLASSES = [Config, ComputeConfig, MemoryConfig, DPConfig, FSDPConfig, DistConfig, DataLoaderConfig]
+ALL_CLASSES = [Config, ComputeConfig, MemoryConfig, DPConfig, FSDPConfig, PPConfig, DistConfig, DataLoaderConfig]
 
 
 def _custom() -> Config:
@@ -399,7 +400,7 @@ def test_from_yaml_errors(tmp_path, text, message):
     ("argv", "message"),
     [
         (["compute.bf17=true"], "compute.bf17: unknown key; valid keys under compute: bf16, fp16"),
-        (["dist.fspd.size=2"], "dist.fspd: unknown key; valid keys under dist: dp, fsdp, tp, topology, timeout"),
+        (["dist.fspd.size=2"], "dist.fspd: unknown key; valid keys under dist: pp, dp, fsdp, tp, topology, timeout"),
         (["dist.fsdp.size=two"], "dist.fsdp.size: expected int, got 'two' (str); use an integer such as 2"),
         (["memory.gc_cnt=1.5"], "memory.gc_cnt: expected int or None, got 1.5 (float)"),
         (["compute.bf16=maybe"], "compute.bf16: expected bool, got 'maybe' (str)"),
@@ -446,6 +447,12 @@ def test_field_tree_snapshot():
         "memory.gc_interval: int = 1",
         "memory.offload_params: bool = False",
         "dist: DistConfig",
+        "dist.pp: PPConfig",
+        "dist.pp.size: int = 1",
+        "dist.pp.schedule: str = '1F1B'",
+        "dist.pp.stages_per_rank: int = 1",
+        "dist.pp.microbatches: int | None = None",
+        "dist.pp.split: list[str] = []",
         "dist.dp: DPConfig",
         "dist.dp.size: int | None = None",
         "dist.fsdp: FSDPConfig",
@@ -482,6 +489,7 @@ def test_all_snapshot():
         "DistConfig",
         "FSDPConfig",
         "MemoryConfig",
+        "PPConfig",
         "TPConfig",
         "field_docs",
     ]

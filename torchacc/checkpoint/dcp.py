@@ -23,6 +23,11 @@ key per rank (``extra/rank-<r>``): every rank gets back the value it saved (its 
 Loaded at a larger world size, the ranks the checkpoint did not have get rank 0's ``extra``.
 Non-tensor entries are encoded so that loading them runs no code (see [Note: safe loading] in
 ``torchacc.checkpoint._safe_load``).
+
+[Note: pipeline checkpoints] Under pipeline parallelism each rank saves its stages' tensors under the plain
+model's names, and DCP puts them together: the checkpoint holds the whole model, and loads at any layout. The
+optimizer's param groups (one non-tensor entry) are merged over the stages before saving (each group's parameter
+names in stage order), and a pipelined model loading a checkpoint takes its own stages' parameters from them.
 """
 
 import os
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,11 +45,12 @@ from .._utils.fs import describe_os_error
 from ..data import ShardedDataLoader
 from ..distributed import env
 from ..distributed.collectives import broadcast, raise_on_any_rank
+from ..parallel.accelerated import accelerated_state
 from . import _checksums, _dir
 from ._safe_load import encode
 from .optimizer import optim_state_dict
 
-__all__ = ["save_checkpoint", "save_dcp", "write_staging", "FORMAT", "LATEST"]
+__all__ = ["save_checkpoint", "save_dcp", "write_staging", "pipeline_group_of", "FORMAT", "LATEST"]
 
 LATEST = _dir.LATEST
 FORMAT = "torchacc-dcp/2"  # 1: non-tensor entries pickled, one extra for all ranks
@@ -107,7 +114,7 @@ def save_checkpoint(
         for name, values in osd["state"].items():
             for key, value in values.items():
                 state[f"optim/{name}/{key}"] = value
-        state["optim_param_groups"] = encode(osd["param_groups"])
+        state["optim_param_groups"] = encode(_merged_groups(model, osd["param_groups"]))
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
             state[key] = encode(obj.state_dict())
@@ -122,6 +129,33 @@ def save_checkpoint(
         unchanged=f"'{LATEST}' is unchanged",
     )
     return final
+
+
+def pipeline_group_of(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group of ``model``'s pipeline (the ranks holding its other stages), or None without one."""
+    state = accelerated_state(model)
+    if state is None or state.layout.dims.pp == 1 or state.mesh is None:
+        return None
+    return state.mesh.get_group("pp")
+
+
+def _merged_groups(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` with the other pipeline stages' parameter names added: see [Note: pipeline checkpoints]."""
+    group = pipeline_group_of(model)
+    if group is None:
+        return groups
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, groups, group=group)
+    merged = [{**g, "params": []} for g in stages[0]]
+    for stage in stages:
+        if len(stage) != len(merged):
+            raise ValueError(
+                f"the optimizer has {len(stage)} param groups on one pipeline stage and {len(merged)} on another; "
+                "build it the same way on every rank (e.g. torch.optim.AdamW(model.parameters()))"
+            )
+        for into, g in zip(merged, stage, strict=True):
+            into["params"] += g["params"]
+    return merged
 
 
 def save_dcp(

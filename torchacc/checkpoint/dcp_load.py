@@ -1,13 +1,14 @@
 """Loading the native sharded checkpoint: ``load_checkpoint``, ``latest_checkpoint`` and ``resume_latest``.
 
-See ``dcp.py`` for the layout of a checkpoint directory, [Note: checkpoint atomicity] and
-[Note: per-rank extra].
+See ``dcp.py`` for the layout of a checkpoint directory, [Note: checkpoint atomicity],
+[Note: per-rank extra] and [Note: pipeline checkpoints].
 """
 
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -18,7 +19,7 @@ from ..data import ShardedDataLoader
 from ..distributed import env
 from . import _checksums, _dir
 from ._safe_load import SafeLoadPlanner, SafeReader, UnsafeFileError, decode
-from .dcp import LATEST
+from .dcp import LATEST, pipeline_group_of
 from .optimizer import load_optim_state_dict
 
 __all__ = ["load_checkpoint", "latest_checkpoint", "resume_latest", "require_latest"]
@@ -154,8 +155,11 @@ def load_checkpoint(
             "restore the file or load an earlier checkpoint"
         ) from None
     state: dict[str, Any] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    others = _other_stages_keys(model, state)  # held by this model's other pipeline stages
     missing = sorted(k.removeprefix("model/") for k in state if k not in saved)
-    unexpected = sorted(k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in state)
+    unexpected = sorted(
+        k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in state and k not in others
+    )
     if missing or unexpected:
         raise ValueError(f"{path}: the model does not match the checkpoint: missing {missing}, unexpected {unexpected}")
     params = dict(model.named_parameters())
@@ -164,6 +168,8 @@ def load_checkpoint(
         for key, meta in saved.items():
             if key.startswith("optim/") and isinstance(meta, TensorStorageMetadata):
                 name, _, state_key = key.removeprefix("optim/").rpartition("/")
+                if f"model/{name}" in others:
+                    continue
                 state[key] = _template(params.get(name), meta, name, path)
         state["optim_param_groups"] = None
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
@@ -181,6 +187,8 @@ def load_checkpoint(
     model.load_state_dict({k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")})
     if optimizer is not None:
         groups = decode(state["optim_param_groups"], weights_only=weights_only, what=f"{path}: optimizer groups")
+        if others:  # a pipeline stage takes its own parameters from the groups of every stage
+            groups = [{**g, "params": [n for n in g["params"] if f"model/{n}" not in others]} for g in groups]
         osd: dict[str, Any] = {"state": {}, "param_groups": groups}
         for key, value in state.items():
             if key.startswith("optim/"):
@@ -191,6 +199,16 @@ def load_checkpoint(
         if obj is not None:
             obj.load_state_dict(decode(state[key], weights_only=weights_only, what=f"{path}: {key} state"))
     return decode(state[extra_key], weights_only=weights_only, what=f"{path}: extra")
+
+
+def _other_stages_keys(model: nn.Module, own: dict[str, Any]) -> set[str]:
+    """The ``model/`` keys that the other pipeline stages of ``model`` hold (empty without a pipeline)."""
+    group = pipeline_group_of(model)
+    if group is None:
+        return set()
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, sorted(own), group=group)
+    return {key for keys in stages for key in keys} - set(own)
 
 
 def _extra_key(saved: dict[str, Any], path: str) -> str:

@@ -27,6 +27,7 @@ from .sections import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    PPConfig,
     TPConfig,
     field_docs,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "DistConfig",
     "FSDPConfig",
     "MemoryConfig",
+    "PPConfig",
     "TPConfig",
 ]
 __all__ += ["field_docs"]  # reused by the docs generator
@@ -85,25 +87,31 @@ class Config(Node):
             raise ValueError(
                 "compute.bf16 and compute.fp16 are both True, but they exclude each other; set one to False"
             )
-        tp = d.tp.size
+        tp, pp = d.tp.size, d.pp.size
         for name, size, what in (("fsdp", fsdp, "sharding"), ("tp", tp, "tensor parallelism")):
             if size < 1:
                 raise ValueError(f"dist.{name}.size must be >= 1, got {size}; use 1 to disable {what}")
+        if pp < 1:
+            raise ValueError(f"dist.pp.size must be >= 1, got {pp}; use 1 to disable pipeline parallelism")
         divisors = f"choose a divisor of {ws}: {', '.join(str(n) for n in range(1, ws + 1) if ws % n == 0)}"
-        if fsdp * tp > ws:
-            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+        # the model-parallel product: pipeline stages x shards x tensor splits (dp multiplies it to the world size)
+        axes = [(name, size) for name, size in (("pp", pp), ("fsdp", fsdp), ("tp", tp)) if name == "fsdp" or size > 1]
+        what = " * ".join(f"dist.{name}.size={size}" for name, size in axes)
+        what += f" = {pp * fsdp * tp}" if len(axes) > 1 else ""
+        if pp * fsdp * tp > ws:
             raise ValueError(f"{what} exceeds world size {ws}; {divisors}")
-        if ws % (fsdp * tp):
-            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+        if ws % (pp * fsdp * tp):
             raise ValueError(f"{what} does not divide world size {ws}; {divisors}")
         if dp is not None and dp < 1:
             raise ValueError(f"dist.dp.size must be None or >= 1, got {dp}; leave it None to infer it")
-        if dp is not None and dp * fsdp * tp != ws:
-            product = f"dist.dp.size={dp} * dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp}" if tp > 1 else "")
+        if dp is not None and dp * pp * fsdp * tp != ws:
+            names = " * ".join(f"dist.{name}.size" for name in ("dp", *(name for name, _ in axes)))
+            product = " * ".join(f"dist.{name}.size={size}" for name, size in (("dp", dp), *axes))
             raise ValueError(
-                f"dist.dp.size * dist.fsdp.size{' * dist.tp.size' if tp > 1 else ''} must equal world size {ws}, "
-                f"got {product} = {dp * fsdp * tp}; set dist.dp.size={ws // (fsdp * tp)} or leave it None to infer it"
+                f"{names} must equal world size {ws}, got {product} = {dp * pp * fsdp * tp}; set "
+                f"dist.dp.size={ws // (pp * fsdp * tp)} or leave it None to infer it"
             )
+        _validate_pp(d)
         if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
             raise ValueError(
                 f"dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got "
@@ -155,7 +163,7 @@ class Config(Node):
             )
 
     def resolved_dp_size(self, world_size: int) -> int:
-        """Return ``dist.dp.size``, or ``world_size // (dist.fsdp.size * dist.tp.size)`` when it is None.
+        """Return ``dist.dp.size``, or ``world_size // (dist.pp.size * dist.fsdp.size * dist.tp.size)`` when it is None.
 
         Args:
             world_size: Number of processes in the job.
@@ -169,7 +177,7 @@ class Config(Node):
         self.validate(world_size)
         if self.dist.dp.size is not None:
             return self.dist.dp.size
-        return world_size // (self.dist.fsdp.size * self.dist.tp.size)
+        return world_size // (self.dist.fsdp.size * self.dist.tp.size * self.dist.pp.size)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""
@@ -233,3 +241,60 @@ class Config(Node):
             ValueError: For an argument that is not ``KEY=VALUE``, an unknown key or a value of the wrong type.
         """
         return _config_io.from_cli(cls, argv, base)
+
+
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+
+
+def _validate_pp(d: DistConfig) -> None:
+    """The rules of ``dist.pp`` (see ``PPConfig``): a known schedule, its stages per rank, enough microbatches."""
+    pp = d.pp
+    if pp.size == 1:
+        for name, unset in (("split", []), ("microbatches", None), ("stages_per_rank", 1)):
+            if getattr(pp, name) != unset:
+                raise ValueError(
+                    f"dist.pp.{name}={fmt(getattr(pp, name))} is set but dist.pp.size is 1 (no pipeline); set "
+                    f"dist.pp.size to the number of pipeline ranks, or unset dist.pp.{name}"
+                )
+    if pp.schedule not in PP_SCHEDULES:
+        raise ValueError(f"dist.pp.schedule={pp.schedule!r} is not supported; use one of {', '.join(PP_SCHEDULES)}")
+    interleaved = pp.schedule == "Interleaved1F1B"
+    if interleaved and pp.stages_per_rank < 2:
+        raise ValueError(
+            f"dist.pp.schedule='Interleaved1F1B' needs dist.pp.stages_per_rank >= 2, got {pp.stages_per_rank}; set it "
+            "to 2 (or more), or use dist.pp.schedule='1F1B' for one stage per rank"
+        )
+    if not interleaved and pp.stages_per_rank != 1:
+        raise ValueError(
+            f"dist.pp.stages_per_rank={pp.stages_per_rank} needs dist.pp.schedule='Interleaved1F1B' (the "
+            f"{pp.schedule!r} schedule runs one stage per rank); set the schedule, or dist.pp.stages_per_rank=1"
+        )
+    num_stages = pp.size * pp.stages_per_rank
+    micro = pp.microbatches
+    if micro is not None and micro < 1:
+        raise ValueError(f"dist.pp.microbatches must be None or >= 1, got {micro}; None uses one per stage")
+    if micro is not None and pp.size > 1 and pp.schedule != "GPipe" and micro < num_stages:
+        raise ValueError(
+            f"dist.pp.schedule={pp.schedule!r} needs at least one microbatch per stage: dist.pp.microbatches={micro} "
+            f"is fewer than the {num_stages} stages; set dist.pp.microbatches >= {num_stages} (and dividing the "
+            "batch size), or use dist.pp.schedule='GPipe'"
+        )
+    if micro is not None and interleaved and micro % max(1, micro // pp.size):
+        rounds = max(1, micro // pp.size)
+        raise ValueError(
+            f"dist.pp.schedule='Interleaved1F1B' runs microbatches in rounds of dist.pp.size={pp.size}: "
+            f"dist.pp.microbatches={micro} is not a multiple of its {rounds} rounds; use a multiple of {pp.size}"
+        )
+    if pp.split and len(pp.split) != num_stages - 1:
+        raise ValueError(
+            f"dist.pp.split names {len(pp.split)} block(s) but {num_stages} stages need {num_stages - 1} (the first "
+            f"block of each stage after the first), e.g. dist.pp.split=['model.layers.8'] for 2 stages; or leave it "
+            "empty to divide the blocks evenly"
+        )
+    if len(set(pp.split)) != len(pp.split):
+        raise ValueError(f"dist.pp.split={pp.split!r} names a block twice; name each stage's first block once")
+    if pp.size > 1 and d.tp.sequence_parallel:
+        raise ValueError(
+            "dist.tp.sequence_parallel=True does not combine with dist.pp.size > 1 (the stages pass whole sequences); "
+            "set dist.tp.sequence_parallel=False, or dist.pp.size=1"
+        )

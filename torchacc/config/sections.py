@@ -17,6 +17,7 @@ __all__ = [
     "DPConfig",
     "FSDPConfig",
     "TPConfig",
+    "PPConfig",
     "DistConfig",
     "DataLoaderConfig",
     "field_docs",
@@ -124,10 +125,41 @@ class TPConfig(Node):
 
 
 @dataclass(kw_only=True, slots=True)
+class PPConfig(Node):
+    """Pipeline parallelism: the model's blocks split into stages on different ranks (``torch.distributed.pipelining``).
+    Train with ``loss = torchacc.train_step(model, batch)``; see docs/pipeline_parallel.md."""
+
+    _path: ClassVar[str] = "dist.pp"
+    size: int = 1
+    """Number of pipeline ranks, each holding a different part of the model (the outermost mesh axis); 1 disables
+    it. dist.pp.size * dist.dp.size * dist.fsdp.size * dist.tp.size must equal the world size. Under a pipeline each
+    stage keeps its parameters gathered from forward to backward (dist.fsdp.reshard_after_forward is False)."""
+    schedule: str = "1F1B"
+    """The pipeline schedule: "1F1B" (one forward, one backward in the steady state: activations of at most
+    dist.pp.size microbatches are alive), "GPipe" (all forwards, then all backwards: activations of every
+    microbatch are alive) or "Interleaved1F1B" (dist.pp.stages_per_rank stages per rank: a smaller bubble for
+    more transfers)."""
+    stages_per_rank: int = 1
+    """Stages each rank holds: 1 for "1F1B" and "GPipe", 2 or more for "Interleaved1F1B" (rank r then holds
+    stages r, r + size, r + 2 * size, ...)."""
+    microbatches: int | None = None
+    """Microbatches each batch is cut into (it must divide the batch size); None: the number of stages
+    (dist.pp.size * dist.pp.stages_per_rank), the fewest that 1F1B accepts. More microbatches shrink the bubble,
+    (stages - 1) / (microbatches + stages - 1) of the step."""
+    split: list[str] = field(default_factory=list)
+    """Where stages begin: the names of the blocks that start stage 1, 2, ... (one fewer than the stages), e.g.
+    ["model.layers.6"] for 2 stages. Empty: the blocks (the dist.fsdp.wrap_layer_cls modules) are divided evenly,
+    earlier stages taking one more when they do not divide; the embedding goes with the first stage, the final
+    norm and the head with the last."""
+
+
+@dataclass(kw_only=True, slots=True)
 class DistConfig(Node):
     """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
 
     _path: ClassVar[str] = "dist"
+    pp: PPConfig = field(default_factory=PPConfig)
+    """Pipeline parallelism (stages of the model on different ranks)."""
     dp: DPConfig = field(default_factory=DPConfig)
     """Data parallelism (replicas)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -78,7 +78,7 @@ def accelerate(
         plan = plan_model(model, layout, optimizer=optimizer)
         loader = None
         if dataloader is not None:
-            # the ranks of one TP group take the same batches: the sampler runs over the dp x fsdp ranks
+            # the ranks of one TP group (or pipeline) take the same batches: the sampler runs over the dp x fsdp ranks
             loader = shard_dataloader(
                 dataloader,
                 num_replicas=layout.dims.num_data_ranks,
@@ -108,19 +108,22 @@ def accelerate(
 
 def _require_torchrun(config: Config, world_size: int) -> None:
     """A layout of several ranks run as plain ``python train.py``: say how to launch it."""
-    wanted = config.dist.fsdp.size * config.dist.tp.size * (config.dist.dp.size or 1)
+    wanted = config.dist.fsdp.size * config.dist.tp.size * config.dist.pp.size * (config.dist.dp.size or 1)
     if world_size == 1 and wanted > 1 and "WORLD_SIZE" not in os.environ:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         script = script if script and not script.startswith("-") else "train.py"
         layout = f"dist.fsdp.size={config.dist.fsdp.size}"
         if config.dist.tp.size > 1:
             layout += f" x dist.tp.size={config.dist.tp.size}"
+        if config.dist.pp.size > 1:
+            layout = f"dist.pp.size={config.dist.pp.size} x {layout}"
         if config.dist.dp.size:
             layout += f" x dist.dp.size={config.dist.dp.size}"
         raise ValueError(
             f"{layout} asks for {wanted} processes, but this one was not started by torchrun and runs alone; "
             f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 "
-            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}to train in one process"
+            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}"
+            f"{'and dist.pp.size=1 ' if config.dist.pp.size > 1 else ''}to train in one process"
         )
 
 

@@ -151,6 +151,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         self.global_step = 0
         self.scaler: GradScaler | None = None  # set up for fp16 compute in setup_environment
         self._micro_step = 0
+        self._backward_done = False  # set by a pipeline's training_step, which runs the backward too
         self._pending_optimizer_state: Any = None
         self._env: dict[str, Any] | None = None
 
@@ -182,6 +183,8 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             per_step = self.micro_train_batch_size * data_ranks
             if self.train_batch_size is None:
                 self.train_batch_size = per_step
+            if layout.pipeline is not None:
+                _check_pipeline(self, layout.pipeline.microbatches)
             if self.train_batch_size % per_step:
                 raise ValueError(
                     f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
@@ -275,3 +278,19 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             shard=cfg.shard,
         )
         return self.dataloader
+
+
+def _check_pipeline(strategy: FSDP2Strategy, microbatches: int) -> None:
+    """Strategy options a pipelined model cannot honour (config.dist.pp.size > 1), refused before any collective."""
+    for name in ("loss_fn", "parallelize_fn"):
+        if getattr(strategy, name) is not None:
+            raise ValueError(
+                f"{name}= does not combine with config.dist.pp.size > 1: the pipeline splits a Hugging Face decoder "
+                "into stages itself and computes its causal-LM loss on the last stage; drop it, or set dist.pp.size=1"
+            )
+    if strategy.micro_train_batch_size % microbatches:
+        raise ValueError(
+            f"micro_train_batch_size={strategy.micro_train_batch_size} does not divide into "
+            f"config.dist.pp.microbatches={microbatches}: each micro-batch runs through the pipeline in that many "
+            "pieces; choose a multiple"
+        )

@@ -22,7 +22,7 @@ from ..checkpoint._safe_load import SafeEmptyLoadPlanner, SafeLoadPlanner, SafeR
 from ..checkpoint.dcp import save_checkpoint, save_dcp
 from ..checkpoint.dcp_load import load_checkpoint, require_latest
 from ..checkpoint.files import load, save
-from ..checkpoint.state import gather_full
+from ..checkpoint.state import gather_model
 from ..distributed import collectives, env
 
 __all__ = ["StrategyCheckpointMixin"]
@@ -37,7 +37,7 @@ def _dir_bytes(path: str) -> int:
 
 def _full_state_on_rank0(model: nn.Module) -> dict[str, Any]:
     """Every tensor gathered (a collective: all ranks call it); rank 0 keeps CPU copies, the others ``{}``."""
-    state = gather_full(model.state_dict(), keep=env.rank() == 0)
+    state = gather_model(model, keep=env.rank() == 0)
     return state if env.rank() == 0 else {}
 
 

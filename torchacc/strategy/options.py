@@ -108,12 +108,14 @@ def apply_options(
         if not isinstance(tensor_parallel_plan, str):  # "auto" keeps config.dist.tp.plan (itself "auto" by default)
             dist_cfg.tp.plan = dict(tensor_parallel_plan)
         dist_cfg.tp.sequence_parallel = dist_cfg.tp.sequence_parallel or sequence_parallel
-    tp = dist_cfg.tp.size
-    data_ranks = world_size // tp if world_size % tp == 0 else world_size
+    tp, pp = dist_cfg.tp.size, dist_cfg.pp.size  # the ranks of a TP group, or of a pipeline, share their batches
+    data_ranks = world_size // (tp * pp) if world_size % (tp * pp) == 0 else world_size
     if data_parallel_size not in ("auto", data_ranks):
         raise ValueError(
             f"data_parallel_size={data_parallel_size} must equal the world size {world_size}"
-            + (f" / tensor_parallel_size={tp} = {data_ranks}" if tp > 1 else " (no tensor parallelism)")
+            + (f" / tensor_parallel_size={tp}" if tp > 1 else "")
+            + (f" / config.dist.pp.size={pp}" if pp > 1 else "")
+            + (f" = {data_ranks}" if tp * pp > 1 else " (no tensor or pipeline parallelism)")
             + "; use 'auto'"
         )
     fsdp = dist_cfg.fsdp
@@ -129,7 +131,7 @@ def apply_options(
                 f"tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: HYBRID_SHARD shards inside "
                 "a node and a TP group must stay inside one; choose a divisor of the ranks per node"
             )
-        fsdp.size, dist_cfg.dp.size = per_node // tp, world_size // per_node
+        fsdp.size, dist_cfg.dp.size = per_node // tp, max(1, world_size // (per_node * pp))
     if isinstance(mp_policy, str):
         config.compute.bf16 = mp_policy == "bf16"
         config.compute.fp16 = mp_policy == "fp16"
