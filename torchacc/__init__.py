@@ -6,6 +6,8 @@ The public surface, by job:
 * accelerate: :func:`accelerate` shards a model and splits a dataloader in one call;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
 * inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
+* watch: ``config.metrics`` records loss, tokens/s, MFU, memory and grad norm; :func:`log_metrics` adds your
+  values, :func:`last_metrics` reads the last record (:mod:`torchacc.metrics`);
 * checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
   :func:`load_optim_state_dict` (keyed by names), :func:`consolidate` and :func:`reshard_checkpoint`
   (offline, streaming);
@@ -15,6 +17,7 @@ Importing torchacc changes nothing in torch and sets no environment variables.
 """
 
 from . import dist
+from ._utils.version import VERSION
 from .checkpoint.dcp import save_checkpoint
 from .checkpoint.dcp_load import latest_checkpoint, load_checkpoint, resume_latest
 from .checkpoint.files import load, save
@@ -22,7 +25,18 @@ from .checkpoint.offline.consolidate import consolidate
 from .checkpoint.offline.hf_export import export_hf
 from .checkpoint.offline.reshard import reshard_checkpoint
 from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
-from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig, TPConfig
+from .config import (
+    ComputeConfig,
+    Config,
+    DataLoaderConfig,
+    DistConfig,
+    DPConfig,
+    FSDPConfig,
+    MemoryConfig,
+    MetricsConfig,
+    TPConfig,
+)
+from .metrics import last_metrics, log_metrics
 from .parallel.accelerate import accelerate
 from .parallel.clip_grad import clip_grad_norm_
 from .parallel.memory_report import MemoryReport, memory_report
@@ -30,7 +44,7 @@ from .parallel.meta_init import init_empty_weights
 from .parallel.precision import GradScaler
 from .strategy import FSDP2Strategy
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "Config",
@@ -41,12 +55,15 @@ __all__ = [
     "FSDPConfig",
     "TPConfig",
     "DataLoaderConfig",
+    "MetricsConfig",
     "accelerate",
     "init_empty_weights",
     "memory_report",
     "MemoryReport",
     "GradScaler",
     "clip_grad_norm_",
+    "log_metrics",
+    "last_metrics",
     "FSDP2Strategy",
     "save",
     "load",

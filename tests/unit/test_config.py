@@ -16,10 +16,11 @@ from torchacc.config import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
     field_docs,
 )
 
-ALL_CLASSES = [Config, ComputeConfig, MemoryConfig, DPConfig, FSDPConfig, DistConfig, DataLoaderConfig]
+ALL_CLASSES = [Config, ComputeConfig, MemoryConfig, DPConfig, FSDPConfig, DistConfig, DataLoaderConfig, MetricsConfig]
 
 
 def _custom() -> Config:
@@ -470,6 +471,12 @@ def test_field_tree_snapshot():
         "dataloader.seed: int = 0",
         "dataloader.prefetch: bool = True",
         "dataloader.shard: bool = True",
+        "metrics: MetricsConfig",
+        "metrics.every: int = 0",
+        "metrics.sinks: set[str] = {'console'}",
+        "metrics.dir: str = 'runs'",
+        "metrics.peak_flops: float | None = None",
+        "metrics.run_name: str | None = None",
     ]
 
 
@@ -482,6 +489,7 @@ def test_all_snapshot():
         "DistConfig",
         "FSDPConfig",
         "MemoryConfig",
+        "MetricsConfig",
         "TPConfig",
         "field_docs",
     ]

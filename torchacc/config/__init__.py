@@ -12,14 +12,17 @@ docstrings back for the generated docs. Type checking, merging and the dict/YAML
 ``torchacc.config._io``.
 """
 
+import importlib.util
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _io as _config_io
 from ._io import Node, fmt
+from .sections import SINKS as _SINKS
 from .sections import (
     ComputeConfig,
     DataLoaderConfig,
@@ -27,6 +30,7 @@ from .sections import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
     TPConfig,
     field_docs,
 )
@@ -39,6 +43,7 @@ __all__ = [
     "DistConfig",
     "FSDPConfig",
     "MemoryConfig",
+    "MetricsConfig",
     "TPConfig",
 ]
 __all__ += ["field_docs"]  # reused by the docs generator
@@ -56,6 +61,8 @@ class Config(Node):
     """Parallel layout and process-group settings."""
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """DataLoader sharding and prefetching."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Records of loss, throughput, MFU, memory and gradient norm every few steps (off by default)."""
 
     def validate(self, world_size: int) -> None:
         """Type-check every field, normalize sets given as lists, then apply the value and cross-field rules.
@@ -153,6 +160,7 @@ class Config(Node):
                 "memory.gc=True but memory.gc_cls and dist.fsdp.wrap_layer_cls are both empty, so nothing would be "
                 "checkpointed; set one of them, e.g. memory.gc_cls={'GPT2Block'}"
             )
+        _validate_metrics(self.metrics)
 
     def resolved_dp_size(self, world_size: int) -> int:
         """Return ``dist.dp.size``, or ``world_size // (dist.fsdp.size * dist.tp.size)`` when it is None.
@@ -233,3 +241,46 @@ class Config(Node):
             ValueError: For an argument that is not ``KEY=VALUE``, an unknown key or a value of the wrong type.
         """
         return _config_io.from_cli(cls, argv, base)
+
+
+# The package each sink needs, and the extra that installs it.
+_SINK_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def _installed(package: str) -> bool:
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def _validate_metrics(m: MetricsConfig) -> None:
+    """The metrics rules; a sink whose package is missing fails here, not at the first record."""
+    if m.every < 0:
+        raise ValueError(f"metrics.every must be >= 0, got {m.every}; use 0 to turn metrics off, or e.g. 10")
+    unknown = sorted(m.sinks - set(_SINKS))
+    if unknown:
+        raise ValueError(
+            f"metrics.sinks={fmt(m.sinks)} holds unknown sink(s) {', '.join(map(repr, unknown))}; use any of "
+            f"{', '.join(_SINKS)}"
+        )
+    if m.peak_flops is not None and not (math.isfinite(m.peak_flops) and m.peak_flops > 0):
+        raise ValueError(
+            f"metrics.peak_flops must be None or a positive number of FLOP/s per device, got {m.peak_flops}; "
+            "e.g. 989e12 for an H100 SXM in bf16, or None to take it from the device name"
+        )
+    if not m.dir:
+        raise ValueError("metrics.dir must name a directory, got ''; e.g. 'runs'")
+    if m.run_name is not None and (not m.run_name or "/" in m.run_name or "\\" in m.run_name):
+        raise ValueError(
+            f"metrics.run_name={m.run_name!r} must be a non-empty name without path separators (it names a "
+            "directory); e.g. 'gpt2-fsdp2', or None for one made from the start time"
+        )
+    if m.every == 0:
+        return
+    for sink in sorted(m.sinks & set(_SINK_PACKAGES)):
+        package, extra = _SINK_PACKAGES[sink]
+        if not _installed(package):
+            raise ValueError(
+                f"metrics.sinks includes {sink!r}, but the {package} package is not installed; install it with "
+                f"pip install 'torchacc[{extra}]', or remove {sink!r} from metrics.sinks"
+            )

@@ -8,6 +8,7 @@ root, or DDP -> meta-device materialization -> mixed precision) -> optimizer rem
 (``torchacc/parallel/engine.py``) is shared with ``FSDP2Strategy``.
 """
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -20,6 +21,7 @@ from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from ..distributed.mesh import data_parallel_rank
+from ..metrics import install_metrics
 from .agree import agree_on_config, report_config_error
 from .engine import remap_optimizer, shard_model
 from .plan import make_mesh, plan_model
@@ -106,6 +108,7 @@ def accelerate(
     agree_on_config(config, None)
     mesh = make_mesh(config, world_size=world_size, device=device)
     shard_model(model, config, plan, mesh=mesh, device=device, world_size=world_size)
+    install_metrics(model, loader, **dataclasses.asdict(config.metrics))  # metrics.every=0: installs nothing
     if optimizer is not None:
         remap_optimizer(optimizer, model)
         return model, loader, optimizer

@@ -12,6 +12,7 @@ module holds the constructor and the setup (environment, model, data); the rest 
 
 import contextlib
 import copy
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +25,7 @@ from .._utils.logging import warn_once
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
+from ..metrics import install_metrics, watch_loader
 from ..parallel.agree import agree_on_config, report_config_error
 from ..parallel.engine import shard_model
 from ..parallel.meta_init import init_empty_weights
@@ -241,6 +243,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             parallelize_fn=self.parallelize_fn,
             mp_policy=policy,
         )
+        install_metrics(model, self.dataloader, **dataclasses.asdict(self.config.metrics))
         self.model = model
         return model
 
@@ -263,4 +266,5 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             prefetch=cfg.prefetch,
             shard=cfg.shard,
         )
+        watch_loader(self.dataloader, self.model)
         return self.dataloader
