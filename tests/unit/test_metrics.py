@@ -207,6 +207,24 @@ def test_one_process_records_console_jsonl_and_user_values(tmp_path, capsys):
     assert out.count("step 2 | loss ") == out.count("step 4 | loss ") == 1 and "step 10 | eval_accuracy 0.75" in out
 
 
+def test_a_resumed_optimizer_goes_on_counting_steps():
+    def train(optimizer_state=None):
+        model, loader = torchacc.accelerate(tiny_gpt2(), _lm_loader(4), _config(every=1, sinks=set()))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        for batch in loader:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return optimizer.state_dict()
+
+    state = train()
+    assert torchacc.last_metrics()["step"] == 2
+    train(state)  # AdamW's restored step count is 2: the records go on at 3 and 4
+    assert torchacc.last_metrics()["step"] == 4
+
+
 def test_log_metrics_errors_and_metrics_off():
     torchacc.accelerate(TinyNet(), config=_config(every=1, sinks=set()))
     with pytest.raises(ValueError, match="log_metrics: 'loss' is a value torchacc records itself"):

@@ -8,7 +8,8 @@
 * two process-wide optimizer hooks (``register_optimizer_step_pre_hook``/``post_hook``), registered once
   while any model is watched and removed with the last one: the first optimizer that steps the model's
   parameters marks its step boundaries. The pre-hook computes the gradient norm on steps to log, before the
-  step and before ``zero_grad``; ``torchacc.clip_grad_norm_`` hands its own norm over instead.
+  step and before ``zero_grad``; ``torchacc.clip_grad_norm_`` hands its own norm over instead. The step count
+  starts from the optimizer's own (Adam's ``step`` state), so a run resumed from a checkpoint goes on counting.
 
 With ``every=0`` nothing is attached (and a previous installation on the model is removed).
 """
@@ -55,6 +56,7 @@ class _Watch:
         if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
             if bound is None:
                 self.optimizer = weakref.ref(optimizer)
+                self.recorder.step = _steps_taken(optimizer)  # a resumed run goes on counting
                 return True
             warn_once(
                 "torchacc metrics follow the first optimizer that steps the model's parameters; the steps of "
@@ -235,6 +237,16 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         if watch.owns(optimizer):
             groups = optimizer.param_groups
             watch.recorder.after_step(groups[0].get("lr") if groups else None)
+
+
+def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """The steps an optimizer's loaded state has taken (Adam's ``step``), or 0 (fresh, or no such state)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is not None:
+                return int(step.item() if isinstance(step, torch.Tensor) else step)
+    return 0
 
 
 def _drop(record: dict[str, Any]) -> None:

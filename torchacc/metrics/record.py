@@ -235,4 +235,4 @@ def check_values(values: Any) -> dict[str, Any]:
             raise ValueError(
                 f"log_metrics: {key}={value!r} is not a number; log an int, a float or a one-element tensor"
             )
-    return dict(values)
+    return {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in values.items()}
