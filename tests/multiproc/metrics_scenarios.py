@@ -10,13 +10,19 @@ import resource
 
 import torch
 from _models import SEQ, tiny_gpt2, tiny_llama, token_dataset
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import torchacc
 from torchacc.metrics import close_metrics
-from torchacc.parallel.clip_grad import grad_norm
 
 EVERY, NUM_STEPS, BATCH = 3, 6, 2
+
+
+def full_grad_norm(model: torch.nn.Module) -> float:
+    """The oracle: the 2-norm of the full (gathered) gradients, computed apart from torchacc's clip_grad."""
+    grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    return float(torch.stack([g.double().square().sum() for g in grads if g is not None]).sum().sqrt())
 
 
 def masked_dataset(num_samples: int = 32) -> list[dict[str, torch.Tensor]]:
@@ -53,7 +59,7 @@ def fsdp_all_sinks(out: str) -> dict:
         if step == 3:
             seen["norms"][step] = torchacc.clip_grad_norm_(model.parameters(), max_norm=1e6)
         elif step == 6:
-            seen["norms"][step] = grad_norm(model.parameters())  # the reference; it tells the recorder nothing
+            seen["norms"][step] = full_grad_norm(model)
         seen["losses"].append(loss.item())
         seen["tokens"].append(int(batch["attention_mask"].sum()))
         seen["lrs"].append(optimizer.param_groups[0]["lr"])
@@ -82,7 +88,7 @@ def tp_tokens() -> dict:
     for batch in itertools.islice(loader, 2):
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         loss.backward()
-        seen["norms"].append(grad_norm(model.parameters()))
+        seen["norms"].append(full_grad_norm(model))
         seen["losses"].append(loss.item())
         optimizer.step()
         optimizer.zero_grad()
@@ -115,6 +121,30 @@ def strategy_accumulation() -> dict:
             if strategy.global_step % 2 == 0:
                 seen["records"].append(torchacc.last_metrics())
     seen["accumulation_steps"] = strategy.accumulation_steps
+    close_metrics()
+    return seen
+
+
+def hsdp_metrics() -> dict:
+    """HSDP at 4 ranks (2 replicas of 2 shards; run from scenarios.hsdp_suite): the norm sums the shards, not
+    the replicas; every rank's batch counts."""
+    config = torchacc.Config()
+    config.dist.fsdp.size, config.dist.dp.size = 2, 2
+    config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    config.dist.timeout = 120.0
+    config.metrics.every = 2
+    config.metrics.sinks = set()
+    model, loader = torchacc.accelerate(tiny_gpt2(seed=0), DataLoader(token_dataset(32), batch_size=BATCH), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen: dict[str, list] = {"losses": [], "norms": []}
+    for batch in itertools.islice(loader, 2):
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        seen["norms"].append(full_grad_norm(model))
+        seen["losses"].append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    seen["record"] = torchacc.last_metrics()
     close_metrics()
     return seen
 

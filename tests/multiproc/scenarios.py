@@ -6,6 +6,7 @@ the ranks' results with a single-process reference computed in the pytest proces
 
 import itertools
 
+import metrics_scenarios
 import report_scenarios
 import torch
 import torch.distributed as dist
@@ -232,6 +233,7 @@ def hsdp_suite() -> dict:
         "meta_fsdp4": meta_init_state(fsdp=4),
         "meta_hsdp": meta_init_state(fsdp=2, dp=2),
         "memory_report": report_scenarios.hsdp_reports(),
+        "metrics": metrics_scenarios.hsdp_metrics(),
     }
 
 
