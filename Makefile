@@ -33,6 +33,7 @@ lint: setup
 bench: setup
 	$(PY) -m pip install -q -e ".[bench]"
 	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --compile on
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --metrics
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --gc --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/capacity.py
