@@ -74,7 +74,7 @@ from _common import (
     random_tokens,
     run_torchrun,
 )
-from _metrics import METRICS_EVERY, metrics_table
+from _metrics import METRICS_EVERY, instrument, metrics_table
 from _tp import TP_RANKS, tp_table, tp_worker
 
 CONTENDERS = ("torchacc", "fsdp2", "ddp", "single")
@@ -324,11 +324,13 @@ def measure_metrics(size: tuple[int, int, int, int], args: argparse.Namespace, d
     import shutil
     import tempfile
 
+    import torch
     import torch.distributed as dist
 
     box = [tempfile.mkdtemp(prefix="throughput-metrics-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, group=gloo)  # every rank must give accelerate() the same config
     metrics_dir = box[0]
+    hooks = instrument()  # before the first model is watched, so that the hooks registered are the timed ones
     SETUPS["torchacc+metrics"] = functools.partial(setup_torchacc, metrics_dir=metrics_dir)
     block, pairs = args.metrics_block, args.metrics_pairs
     runs = {c: Run(c, size, args, device, args.warmup + pairs * block) for c in ("torchacc", "torchacc+metrics")}
@@ -336,13 +338,17 @@ def measure_metrics(size: tuple[int, int, int, int], args: argparse.Namespace, d
         run.train(args.warmup)
     import torchacc
 
-    wall, cpu, off_step_s = [], [], []
+    wall, cpu, off_step_s, on_cpu_s = [], [], [], 0.0
+    hooks["cpu_s"] = 0.0  # the timed blocks only
     for pair in range(pairs):
         order = ("torchacc", "torchacc+metrics") if pair % 2 == 0 else ("torchacc+metrics", "torchacc")
         timing = {c: runs[c].timed(block, gloo) for c in order}
         wall.append(timing["torchacc+metrics"][0] / timing["torchacc"][0])
         cpu.append(timing["torchacc+metrics"][1] / timing["torchacc"][1])
         off_step_s.append(timing["torchacc"][0] / block)
+        on_cpu_s += timing["torchacc+metrics"][1]
+    hook_cpu = torch.tensor([hooks["cpu_s"]], dtype=torch.float64)
+    dist.all_reduce(hook_cpu, op=dist.ReduceOp.MAX, group=gloo)
     last_step = torchacc.last_metrics().get("step", 0)  # the model with metrics is the only one recording
     del runs
     torchacc.metrics.close_metrics()
@@ -355,6 +361,9 @@ def measure_metrics(size: tuple[int, int, int, int], args: argparse.Namespace, d
         "off_step_s": off_step_s,
         "block": block,
         "records": last_step // METRICS_EVERY,
+        "hook_cpu_s": float(hook_cpu),  # the busiest rank's CPU seconds inside the metrics hooks, timed blocks
+        "metrics_steps": pairs * block,
+        "metrics_cpu_step_s": on_cpu_s / (pairs * block),  # (a*)'s CPU seconds per step, the busiest rank
     }
 
 
