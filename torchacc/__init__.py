@@ -8,6 +8,8 @@ The public surface, by job:
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
 * inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
   :func:`accelerated_state` says what ``accelerate()`` did to a model (its layout, mesh, device);
+* watch: ``config.metrics`` records loss, tokens/s, MFU, memory and grad norm; :func:`log_metrics` adds your
+  values, :func:`last_metrics` reads the last record (:mod:`torchacc.metrics`);
 * checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
   :func:`load_optim_state_dict` (keyed by names), :func:`consolidate` and :func:`reshard_checkpoint`
   (offline, streaming);
@@ -17,6 +19,7 @@ Importing torchacc changes nothing in torch and sets no environment variables.
 """
 
 from . import dist
+from ._utils.version import VERSION
 from .checkpoint.dcp import save_checkpoint
 from .checkpoint.dcp_load import latest_checkpoint, load_checkpoint, resume_latest
 from .checkpoint.files import load, save
@@ -32,9 +35,11 @@ from .config import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
     PPConfig,
     TPConfig,
 )
+from .metrics import last_metrics, log_metrics
 from .parallel.accelerate import accelerate
 from .parallel.accelerated import AcceleratedState, accelerated_state
 from .parallel.clip_grad import clip_grad_norm_
@@ -44,7 +49,7 @@ from .parallel.pipeline_step import train_step
 from .parallel.precision import GradScaler
 from .strategy import FSDP2Strategy
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "Config",
@@ -56,6 +61,7 @@ __all__ = [
     "TPConfig",
     "PPConfig",
     "DataLoaderConfig",
+    "MetricsConfig",
     "accelerate",
     "train_step",
     "accelerated_state",
@@ -65,6 +71,8 @@ __all__ = [
     "MemoryReport",
     "GradScaler",
     "clip_grad_norm_",
+    "log_metrics",
+    "last_metrics",
     "FSDP2Strategy",
     "save",
     "load",

@@ -6,6 +6,7 @@ the ranks' results with a single-process reference computed in the pytest proces
 
 import itertools
 
+import metrics_scenarios
 import report_scenarios
 import torch
 import torch.distributed as dist
@@ -279,6 +280,7 @@ def hsdp_suite() -> dict:
         "meta_hsdp_rank_seeds": meta_init_state(fsdp=2, dp=2, rank_seeds=True),
         "meta_fsdp2_tp2_rank_seeds": meta_init_state(fsdp=2, tp=2, rank_seeds=True),
         "memory_report": report_scenarios.hsdp_reports(),
+        "metrics": metrics_scenarios.hsdp_metrics(),
     }
 
 

@@ -16,11 +16,22 @@ from torchacc.config import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
     PPConfig,
     field_docs,
 )
 
-ALL_CLASSES = [Config, ComputeConfig, MemoryConfig, DPConfig, FSDPConfig, PPConfig, DistConfig, DataLoaderConfig]
+ALL_CLASSES = [
+    Config,
+    ComputeConfig,
+    MemoryConfig,
+    DPConfig,
+    FSDPConfig,
+    PPConfig,
+    DistConfig,
+    DataLoaderConfig,
+    MetricsConfig,
+]
 
 
 def _custom() -> Config:
@@ -477,6 +488,12 @@ def test_field_tree_snapshot():
         "dataloader.seed: int = 0",
         "dataloader.prefetch: bool = True",
         "dataloader.shard: bool = True",
+        "metrics: MetricsConfig",
+        "metrics.every: int = 0",
+        "metrics.sinks: set[str] = {'console'}",
+        "metrics.dir: str = 'runs'",
+        "metrics.peak_flops: float | None = None",
+        "metrics.run_name: str | None = None",
     ]
 
 
@@ -489,6 +506,7 @@ def test_all_snapshot():
         "DistConfig",
         "FSDPConfig",
         "MemoryConfig",
+        "MetricsConfig",
         "PPConfig",
         "TPConfig",
         "field_docs",

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _io as _config_io
 from ._io import Node, fmt
+from ._rules import validate_metrics, validate_pp
 from .sections import (
     ComputeConfig,
     DataLoaderConfig,
@@ -27,6 +28,7 @@ from .sections import (
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
     PPConfig,
     TPConfig,
     field_docs,
@@ -41,6 +43,7 @@ __all__ = [
     "FSDPConfig",
     "MemoryConfig",
     "PPConfig",
+    "MetricsConfig",
     "TPConfig",
 ]
 __all__ += ["field_docs"]  # reused by the docs generator
@@ -58,6 +61,8 @@ class Config(Node):
     """Parallel layout and process-group settings."""
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """DataLoader sharding and prefetching."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Records of loss, throughput, MFU, memory and gradient norm every few steps (off by default)."""
 
     def validate(self, world_size: int) -> None:
         """Type-check every field, normalize sets given as lists, then apply the value and cross-field rules.
@@ -111,7 +116,7 @@ class Config(Node):
                 f"{names} must equal world size {ws}, got {product} = {dp * pp * fsdp * tp}; set "
                 f"dist.dp.size={ws // (pp * fsdp * tp)} or leave it None to infer it"
             )
-        _validate_pp(d)
+        validate_pp(d)
         if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
             raise ValueError(
                 f"dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got "
@@ -161,6 +166,7 @@ class Config(Node):
                 "memory.gc=True but memory.gc_cls and dist.fsdp.wrap_layer_cls are both empty, so nothing would be "
                 "checkpointed; set one of them, e.g. memory.gc_cls={'GPT2Block'}"
             )
+        validate_metrics(self.metrics)
 
     def resolved_dp_size(self, world_size: int) -> int:
         """Return ``dist.dp.size``, or ``world_size // (dist.pp.size * dist.fsdp.size * dist.tp.size)`` when it is None.
@@ -241,60 +247,3 @@ class Config(Node):
             ValueError: For an argument that is not ``KEY=VALUE``, an unknown key or a value of the wrong type.
         """
         return _config_io.from_cli(cls, argv, base)
-
-
-PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
-
-
-def _validate_pp(d: DistConfig) -> None:
-    """The rules of ``dist.pp`` (see ``PPConfig``): a known schedule, its stages per rank, enough microbatches."""
-    pp = d.pp
-    if pp.size == 1:
-        for name, unset in (("split", []), ("microbatches", None), ("stages_per_rank", 1)):
-            if getattr(pp, name) != unset:
-                raise ValueError(
-                    f"dist.pp.{name}={fmt(getattr(pp, name))} is set but dist.pp.size is 1 (no pipeline); set "
-                    f"dist.pp.size to the number of pipeline ranks, or unset dist.pp.{name}"
-                )
-    if pp.schedule not in PP_SCHEDULES:
-        raise ValueError(f"dist.pp.schedule={pp.schedule!r} is not supported; use one of {', '.join(PP_SCHEDULES)}")
-    interleaved = pp.schedule == "Interleaved1F1B"
-    if interleaved and pp.stages_per_rank < 2:
-        raise ValueError(
-            f"dist.pp.schedule='Interleaved1F1B' needs dist.pp.stages_per_rank >= 2, got {pp.stages_per_rank}; set it "
-            "to 2 (or more), or use dist.pp.schedule='1F1B' for one stage per rank"
-        )
-    if not interleaved and pp.stages_per_rank != 1:
-        raise ValueError(
-            f"dist.pp.stages_per_rank={pp.stages_per_rank} needs dist.pp.schedule='Interleaved1F1B' (the "
-            f"{pp.schedule!r} schedule runs one stage per rank); set the schedule, or dist.pp.stages_per_rank=1"
-        )
-    num_stages = pp.size * pp.stages_per_rank
-    micro = pp.microbatches
-    if micro is not None and micro < 1:
-        raise ValueError(f"dist.pp.microbatches must be None or >= 1, got {micro}; None uses one per stage")
-    if micro is not None and pp.size > 1 and pp.schedule != "GPipe" and micro < num_stages:
-        raise ValueError(
-            f"dist.pp.schedule={pp.schedule!r} needs at least one microbatch per stage: dist.pp.microbatches={micro} "
-            f"is fewer than the {num_stages} stages; set dist.pp.microbatches >= {num_stages} (and dividing the "
-            "batch size), or use dist.pp.schedule='GPipe'"
-        )
-    if micro is not None and interleaved and micro % max(1, micro // pp.size):
-        rounds = max(1, micro // pp.size)
-        raise ValueError(
-            f"dist.pp.schedule='Interleaved1F1B' runs microbatches in rounds of dist.pp.size={pp.size}: "
-            f"dist.pp.microbatches={micro} is not a multiple of its {rounds} rounds; use a multiple of {pp.size}"
-        )
-    if pp.split and len(pp.split) != num_stages - 1:
-        raise ValueError(
-            f"dist.pp.split names {len(pp.split)} block(s) but {num_stages} stages need {num_stages - 1} (the first "
-            f"block of each stage after the first), e.g. dist.pp.split=['model.layers.8'] for 2 stages; or leave it "
-            "empty to divide the blocks evenly"
-        )
-    if len(set(pp.split)) != len(pp.split):
-        raise ValueError(f"dist.pp.split={pp.split!r} names a block twice; name each stage's first block once")
-    if pp.size > 1 and d.tp.sequence_parallel:
-        raise ValueError(
-            "dist.tp.sequence_parallel=True does not combine with dist.pp.size > 1 (the stages pass whole sequences); "
-            "set dist.tp.sequence_parallel=False, or dist.pp.size=1"
-        )

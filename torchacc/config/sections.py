@@ -20,8 +20,12 @@ __all__ = [
     "PPConfig",
     "DistConfig",
     "DataLoaderConfig",
+    "MetricsConfig",
+    "SINKS",
     "field_docs",
 ]
+
+SINKS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,6 +193,33 @@ class DataLoaderConfig(Node):
     """Copy the next batch to the device while the current one computes."""
     shard: bool = True
     """Split the dataset across data-parallel ranks; False only places batches on the device."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig(Node):
+    """Watching a run: a record of loss, throughput, MFU, memory and gradient norm every few optimizer steps
+    (docs/watching.md)."""
+
+    _path: ClassVar[str] = "metrics"
+    every: int = 0
+    """Write a record every N optimizer steps; 0 (the default) turns metrics off: no hook, no collective. A logged
+    step costs one small all-gather over the ranks (and the gradient norm, unless the step was clipped with
+    ``torchacc.clip_grad_norm_``); the other steps cost no collective and no host-device sync."""
+    sinks: set[str] = field(default_factory=lambda: {"console"})
+    """Where records go (rank 0 writes them): any of "console" (one line on stdout), "jsonl"
+    (``<dir>/metrics.jsonl``, appended), "tensorboard" (``<dir>/tensorboard/<run_name>``; needs
+    ``pip install 'torchacc[tensorboard]'``) and "wandb" (Weights & Biases, its files under ``<dir>``; needs
+    ``pip install 'torchacc[wandb]'``). Empty: records are only kept for ``torchacc.last_metrics()``."""
+    dir: str = "runs"
+    """Directory of the file sinks (created on rank 0); ``torchacc plot <dir>`` draws ``<dir>/metrics.png`` from
+    its ``metrics.jsonl``."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, the denominator of MFU; None takes it from the device name for known
+    accelerators (bf16 dense: A100 312e12, H100 SXM and H200 989e12, H100 PCIe 756e12, B200 2.25e15) and
+    leaves MFU out on the others (CPU included)."""
+    run_name: str | None = None
+    """The run's name in every sink: the TensorBoard run directory, the W&B run name and the ``run_name`` of each
+    JSONL line; None makes one from the start time, e.g. "run-20261124-153012"."""
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ._epoch import apply_epoch, record_user_epochs, take_user_epoch
+from .observe import BatchObserver, observed
 from .placement import place_batches
 from .sampler import MATCHED_FIELDS, STATE_VERSION, ResumableDistributedSampler, batch_count, check_state
 
@@ -69,6 +70,7 @@ class ShardedDataLoader:
         self._progress: _Progress | None = None  # the latest pass
         self._resume: _Progress | None = None  # a loaded position the next pass starts at
         self._skip_reads = 0  # batches an unsharded resumed pass reads and discards
+        self._observer: BatchObserver | None = None
         record_user_epochs(loader.sampler)
 
     @property
@@ -211,6 +213,10 @@ class ShardedDataLoader:
             self._resume = _Progress(epoch, split_start=sampler.split_start)
         self._epoch = epoch
 
+    def observe(self, observer: BatchObserver | None) -> None:
+        """Report the batches of every later pass to ``observer`` (None stops it); see ``BatchObserver``."""
+        self._observer = observer
+
     def _take_user_epoch(self) -> None:
         # See [Note: The set_epoch idiom] in torchacc.data._epoch.
         epoch = take_user_epoch(self.loader.sampler)
@@ -249,6 +255,8 @@ class ShardedDataLoader:
         batches = iter(self.loader)
         if self._skip_reads:
             batches = itertools.islice(batches, self._skip_reads, None)
+        if self._observer is not None:
+            return self._count(observed(batches, self._observer, self.device, prefetch=self.prefetch), progress)
         return self._count(place_batches(batches, self.device, prefetch=self.prefetch), progress)
 
     def _count(self, batches: Iterator[Any], progress: _Progress) -> Iterator[Any]:

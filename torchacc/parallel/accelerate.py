@@ -8,6 +8,7 @@ bottom-up then the root, or DDP -> meta-device materialization -> mixed precisio
 engine (``torchacc/parallel/engine.py``) is shared with ``FSDP2Strategy``.
 """
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
+from ..metrics import install_metrics
 from .agree import agree_on_config, report_config_error
 from .engine import remap_optimizer, shard_model
 from .layout import Layout
@@ -100,6 +102,7 @@ def accelerate(
     agree_on_config(config, None)
     mesh = layout.dims.build_mesh(device.type)
     shard_model(model, layout, plan, mesh=mesh, device=device)
+    install_metrics(model, loader, **dataclasses.asdict(config.metrics))  # metrics.every=0: installs nothing
     if optimizer is not None:
         remap_optimizer(optimizer, model)
         return model, loader, optimizer

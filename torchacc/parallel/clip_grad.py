@@ -71,9 +71,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, eps:
     Example:
         >>> norm = torchacc.clip_grad_norm_(model.parameters(), max_norm=1.0)
     """
+    from ..metrics.install import note_grad_norm  # here: torchacc.metrics imports this module
+
     parameters = list(parameters)
     params = [p for p in parameters if p.grad is not None]
     norm = grad_norm(parameters)
+    note_grad_norm(norm, params)  # a metrics record of this step reuses it instead of computing it again
     coef = max_norm / (norm + eps)
     if coef < 1.0:
         for param in params:

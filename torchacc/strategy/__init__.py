@@ -13,6 +13,7 @@ module holds the constructor and the setup (environment, model, data); the rest 
 
 import contextlib
 import copy
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from ..distributed.mesh import build_mesh
+from ..metrics import install_metrics, watch_loader
 from ..parallel.agree import agree_on_config, report_config_error
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
@@ -255,6 +257,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             parallelize_fn=self.parallelize_fn,
             mp_policy=policy,
         )
+        install_metrics(model, self.dataloader, **dataclasses.asdict(self.config.metrics))
         self.model = model
         return model
 
@@ -277,6 +280,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             prefetch=cfg.prefetch,
             shard=cfg.shard,
         )
+        watch_loader(self.dataloader, self.model)
         return self.dataloader
 
 
