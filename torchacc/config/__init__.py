@@ -22,6 +22,7 @@ from . import _io as _config_io
 from ._io import Node, fmt
 from .sections import (
     ComputeConfig,
+    CPConfig,
     DataLoaderConfig,
     DistConfig,
     DPConfig,
@@ -34,6 +35,7 @@ from .sections import (
 __all__ = [
     "ComputeConfig",
     "Config",
+    "CPConfig",
     "DPConfig",
     "DataLoaderConfig",
     "DistConfig",
@@ -85,24 +87,31 @@ class Config(Node):
             raise ValueError(
                 "compute.bf16 and compute.fp16 are both True, but they exclude each other; set one to False"
             )
-        tp = d.tp.size
-        for name, size, what in (("fsdp", fsdp, "sharding"), ("tp", tp, "tensor parallelism")):
+        tp, cp = d.tp.size, d.cp.size
+        axes = (("fsdp", fsdp, "sharding"), ("tp", tp, "tensor parallelism"), ("cp", cp, "context parallelism"))
+        for name, size, what in axes:
             if size < 1:
                 raise ValueError(f"dist.{name}.size must be >= 1, got {size}; use 1 to disable {what}")
         divisors = f"choose a divisor of {ws}: {', '.join(str(n) for n in range(1, ws + 1) if ws % n == 0)}"
-        if fsdp * tp > ws:
-            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+        split = fsdp * tp * cp  # the ranks that share one model replica
+        named = [(f"dist.{name}.size", size) for name, size, _ in axes if name == "fsdp" or size > 1]
+        what = " * ".join(f"{path}={size}" for path, size in named) + (f" = {split}" if len(named) > 1 else "")
+        if split > ws:
             raise ValueError(f"{what} exceeds world size {ws}; {divisors}")
-        if ws % (fsdp * tp):
-            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+        if ws % split:
             raise ValueError(f"{what} does not divide world size {ws}; {divisors}")
         if dp is not None and dp < 1:
             raise ValueError(f"dist.dp.size must be None or >= 1, got {dp}; leave it None to infer it")
-        if dp is not None and dp * fsdp * tp != ws:
-            product = f"dist.dp.size={dp} * dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp}" if tp > 1 else "")
+        if dp is not None and dp * split != ws:
+            product = " * ".join([f"dist.dp.size={dp}", *(f"{path}={size}" for path, size in named)])
             raise ValueError(
-                f"dist.dp.size * dist.fsdp.size{' * dist.tp.size' if tp > 1 else ''} must equal world size {ws}, "
-                f"got {product} = {dp * fsdp * tp}; set dist.dp.size={ws // (fsdp * tp)} or leave it None to infer it"
+                f"{' * '.join(['dist.dp.size', *(path for path, _ in named)])} must equal world size {ws}, "
+                f"got {product} = {dp * split}; set dist.dp.size={ws // split} or leave it None to infer it"
+            )
+        if d.cp.method not in ("ulysses", "ring"):
+            raise ValueError(
+                f"dist.cp.method={d.cp.method!r} is not supported; use 'ulysses' (all-to-all, CPU and GPU) or 'ring' "
+                "(torch's ring attention, CUDA only)"
             )
         if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
             raise ValueError(
@@ -155,7 +164,7 @@ class Config(Node):
             )
 
     def resolved_dp_size(self, world_size: int) -> int:
-        """Return ``dist.dp.size``, or ``world_size // (dist.fsdp.size * dist.tp.size)`` when it is None.
+        """Return ``dist.dp.size``, or ``world_size // (dist.fsdp.size * dist.tp.size * dist.cp.size)`` when it is None.
 
         Args:
             world_size: Number of processes in the job.
@@ -169,7 +178,7 @@ class Config(Node):
         self.validate(world_size)
         if self.dist.dp.size is not None:
             return self.dist.dp.size
-        return world_size // (self.dist.fsdp.size * self.dist.tp.size)
+        return world_size // (self.dist.fsdp.size * self.dist.tp.size * self.dist.cp.size)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""

@@ -1,21 +1,30 @@
-"""The device mesh: FSDP, HSDP (replicate x shard), plain DP, and tensor parallelism inside them.
+"""The device mesh: FSDP, HSDP (replicate x shard), plain DP, and tensor and context parallelism inside them.
 
 [Note: mesh layout] The mesh always has its axes in the order ``("dp", "fsdp")``, or
 ``("dp", "fsdp", "tp")`` with tensor parallelism, because ``fully_shard`` reads a 2-D mesh as
 (replicate, shard) and TP takes the innermost axis. ``topology`` only decides which ranks land where:
 with the default ``("dp", "fsdp", "tp")`` the ranks of one TP group are contiguous (``0,1 | 2,3``,
 one node), then the ranks that shard one model copy; ``("fsdp", "dp")`` strides the shards.
+
+[Note: context-parallel mesh] With context parallelism the axes are ``("pp", "dp", "fsdp", "cp", "tp")``,
+outermost first, each present only when its size is above 1, except ``fsdp`` (always) and ``dp`` (always
+with TP, as above). The ranks of one CP group sit just outside ``tp`` in the rank layout, whatever the
+``topology``. They hold the same parameters, so ``fully_shard`` shards over ``fsdp x cp`` flattened into one
+``"fsdp_cp"`` axis (TorchTitan's ``dp_shard_cp``), and HSDP replicates that over ``dp``.
 """
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["build_mesh", "data_parallel_rank", "fsdp_submesh", "tp_submesh"]
+__all__ = ["build_mesh", "context_parallel_rank", "cp_submesh", "data_parallel_rank", "fsdp_submesh", "tp_submesh"]
 
 AXES = ("dp", "fsdp")
 TP_AXES = ("dp", "fsdp", "tp")
+CP_AXES = ("dp", "fsdp", "cp", "tp")
+_SHARD_MESHES: "weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
 def _rank_grid(sizes: dict[str, int], topology: Sequence[str]) -> torch.Tensor:
@@ -28,8 +37,31 @@ def _rank_grid(sizes: dict[str, int], topology: Sequence[str]) -> torch.Tensor:
     return grid.permute([axes.index(name) for name in TP_AXES]).contiguous()
 
 
+def _cp_grid(sizes: dict[str, int], topology: Sequence[str]) -> torch.Tensor:
+    """Ranks laid out in ``topology`` order with "cp" just outside "tp" (see [Note: context-parallel mesh]), viewed
+    as a ``(dp, fsdp, cp, tp)`` grid."""
+    axes = list(topology) if "tp" in topology else [*topology, "tp"]
+    if sorted(axes) != sorted(TP_AXES):
+        raise ValueError(f"topology={list(topology)} must be a permutation of {list(AXES)} or {list(TP_AXES)}")
+    axes.insert(axes.index("tp"), "cp")
+    grid = torch.arange(sizes["dp"] * sizes["fsdp"] * sizes["cp"] * sizes["tp"]).reshape([sizes[a] for a in axes])
+    return grid.permute([axes.index(name) for name in CP_AXES]).contiguous()
+
+
+def _build_cp_mesh(device_type: str, sizes: dict[str, int], topology: Sequence[str]) -> DeviceMesh:
+    grid = _cp_grid(sizes, topology)
+    names = [n for n in CP_AXES if sizes[n] > 1 or n == "fsdp" or (n == "dp" and sizes["tp"] > 1)]
+    return DeviceMesh(device_type, grid.reshape([sizes[n] for n in names]), mesh_dim_names=tuple(names))
+
+
 def build_mesh(
-    *, device_type: str, dp_size: int, fsdp_size: int, tp_size: int = 1, topology: Sequence[str] = AXES
+    *,
+    device_type: str,
+    dp_size: int,
+    fsdp_size: int,
+    tp_size: int = 1,
+    topology: Sequence[str] = AXES,
+    cp_size: int = 1,
 ) -> DeviceMesh:
     """Build the mesh that ``wrap_fsdp`` (and, with ``tp_size > 1``, ``apply_tp``) works on.
 
@@ -40,11 +72,14 @@ def build_mesh(
         tp_size: number of ranks that split each tensor-parallel layer.
         topology: the axes outermost first: a permutation of ``("dp", "fsdp")`` ("tp" innermost) or of
             ``("dp", "fsdp", "tp")``.
+        cp_size: number of ranks that split each sequence (context parallelism).
 
     Returns:
         Without TP: a 1-D mesh named ``("fsdp",)`` when ``dp_size == 1``, otherwise a 2-D mesh named
         ``("dp", "fsdp")`` (HSDP). With TP: a 3-D mesh named ``("dp", "fsdp", "tp")``; take its parts with
         ``fsdp_submesh`` and ``tp_submesh``. Plain DP without TP needs no mesh (DDP uses the default group).
+        With ``cp_size > 1`` a ``"cp"`` axis stands before ``"tp"`` (see [Note: context-parallel mesh]), e.g.
+        ``("fsdp", "cp")``; take it with ``cp_submesh``.
 
     Raises:
         ValueError: ``topology`` is not a permutation of the axes.
@@ -52,6 +87,8 @@ def build_mesh(
     Example:
         >>> mesh = build_mesh(device_type="cpu", dp_size=1, fsdp_size=2, tp_size=2)  # under torchrun, 4 ranks
     """
+    if cp_size > 1:
+        return _build_cp_mesh(device_type, {"dp": dp_size, "fsdp": fsdp_size, "cp": cp_size, "tp": tp_size}, topology)
     grid = _rank_grid({"dp": dp_size, "fsdp": fsdp_size, "tp": tp_size}, topology)
     if tp_size > 1:
         return DeviceMesh(device_type, grid, mesh_dim_names=TP_AXES)
@@ -62,13 +99,38 @@ def build_mesh(
 
 def fsdp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The part of ``mesh`` that ``fully_shard`` uses: ``("fsdp",)`` or ``("dp", "fsdp")``; None when nothing
-    is sharded (a TP-only mesh)."""
+    is sharded (a TP-only mesh). With a "cp" axis: ``("fsdp_cp",)`` or ``("dp", "fsdp_cp")``, the same object on
+    every call."""
+    if mesh is not None and "cp" in (mesh.mesh_dim_names or ()):
+        return _cp_shard_mesh(mesh)
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return mesh
     dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
     if dp * fsdp == 1:
         return None
     return mesh["fsdp"] if dp == 1 else mesh["dp", "fsdp"]
+
+
+def _cp_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    # See [Note: context-parallel mesh]. Cached: _unflatten builds new process groups at every call.
+    shard = _SHARD_MESHES.get(mesh)
+    if shard is None:
+        names = mesh.mesh_dim_names or ()
+        if "dp" in names and mesh["dp"].size() > 1:
+            dp, fsdp_cp = mesh["dp"].size(), mesh["fsdp"].size() * mesh["cp"].size()
+            flat = mesh["dp", "fsdp", "cp"]._flatten("dp_fsdp_cp")
+            shard = flat._unflatten(0, (dp, fsdp_cp), ("dp", "fsdp_cp"))
+        else:
+            shard = mesh["fsdp", "cp"]._flatten("fsdp_cp")
+        _SHARD_MESHES[mesh] = shard
+    return shard
+
+
+def cp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The ``("cp",)`` part of ``mesh``, or None without context parallelism."""
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["cp"]
 
 
 def tp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -79,15 +141,38 @@ def tp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 
 def data_parallel_rank(
-    rank: int, *, dp_size: int, fsdp_size: int, tp_size: int = 1, topology: Sequence[str] = AXES
+    rank: int,
+    *,
+    dp_size: int,
+    fsdp_size: int,
+    tp_size: int = 1,
+    topology: Sequence[str] = AXES,
+    cp_size: int = 1,
 ) -> int:
     """This rank's index among the ``dp_size * fsdp_size`` data-parallel ranks: the ranks of one TP group share it
-    (they must see the same batches). Pure arithmetic, no communication.
+    (they must see the same batches), and so do those of one CP group. Pure arithmetic, no communication.
 
     Example:
         >>> data_parallel_rank(3, dp_size=1, fsdp_size=2, tp_size=2)  # ranks 0,1 | 2,3 are the TP groups
         1
     """
+    if cp_size > 1:
+        grid = _cp_grid({"dp": dp_size, "fsdp": fsdp_size, "cp": cp_size, "tp": tp_size}, topology)
+        dp, fsdp, _, _ = (int(i) for i in (grid == rank).nonzero()[0])
+        return dp * fsdp_size + fsdp
     grid = _rank_grid({"dp": dp_size, "fsdp": fsdp_size, "tp": tp_size}, topology)
     dp, fsdp, _ = (int(i) for i in (grid == rank).nonzero()[0])
     return dp * fsdp_size + fsdp
+
+
+def context_parallel_rank(
+    rank: int, *, dp_size: int, fsdp_size: int, cp_size: int, tp_size: int = 1, topology: Sequence[str] = AXES
+) -> int:
+    """This rank's index in its CP group: which chunk of every sequence it takes. Pure arithmetic.
+
+    Example:
+        >>> context_parallel_rank(3, dp_size=1, fsdp_size=2, cp_size=2)  # ranks 0,1 | 2,3 are the CP groups
+        1
+    """
+    grid = _cp_grid({"dp": dp_size, "fsdp": fsdp_size, "cp": cp_size, "tp": tp_size}, topology)
+    return int((grid == rank).nonzero()[0][2])

@@ -20,6 +20,7 @@ from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from .agree import agree_on_config, report_config_error
+from .context import sequence_split
 from .engine import remap_optimizer, shard_model
 from .layout import Layout
 from .plan import plan_model
@@ -78,7 +79,7 @@ def accelerate(
         plan = plan_model(model, layout, optimizer=optimizer)
         loader = None
         if dataloader is not None:
-            # the ranks of one TP group take the same batches: the sampler runs over the dp x fsdp ranks
+            # the ranks of one TP or CP group take the same batches: the sampler runs over the dp x fsdp ranks
             loader = shard_dataloader(
                 dataloader,
                 num_replicas=layout.dims.num_data_ranks,
@@ -89,6 +90,7 @@ def accelerate(
                 seed=config.dataloader.seed,
                 prefetch=config.dataloader.prefetch,
                 shard=config.dataloader.shard,
+                transform=sequence_split(layout, rank),  # CP: this rank's chunk of every sequence
             )
     except (ValueError, TypeError) as exc:
         if world_size > 1:
@@ -108,19 +110,22 @@ def accelerate(
 
 def _require_torchrun(config: Config, world_size: int) -> None:
     """A layout of several ranks run as plain ``python train.py``: say how to launch it."""
-    wanted = config.dist.fsdp.size * config.dist.tp.size * (config.dist.dp.size or 1)
+    wanted = config.dist.fsdp.size * config.dist.tp.size * config.dist.cp.size * (config.dist.dp.size or 1)
     if world_size == 1 and wanted > 1 and "WORLD_SIZE" not in os.environ:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         script = script if script and not script.startswith("-") else "train.py"
         layout = f"dist.fsdp.size={config.dist.fsdp.size}"
         if config.dist.tp.size > 1:
             layout += f" x dist.tp.size={config.dist.tp.size}"
+        if config.dist.cp.size > 1:
+            layout += f" x dist.cp.size={config.dist.cp.size}"
         if config.dist.dp.size:
             layout += f" x dist.dp.size={config.dist.dp.size}"
         raise ValueError(
             f"{layout} asks for {wanted} processes, but this one was not started by torchrun and runs alone; "
             f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 "
-            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}to train in one process"
+            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}"
+            f"{'and dist.cp.size=1 ' if config.dist.cp.size > 1 else ''}to train in one process"
         )
 
 

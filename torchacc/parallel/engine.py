@@ -23,11 +23,12 @@ from .._utils.logging import warn_once
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
 from ..distributed.collectives import broadcast, sync_tensors
-from ..distributed.mesh import fsdp_submesh, tp_submesh
+from ..distributed.mesh import cp_submesh, fsdp_submesh, tp_submesh
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
 from .accelerated import AcceleratedState, record_accelerated
 from .activation_checkpoint import apply_activation_checkpointing
+from .context import apply_context_parallel
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
 from .layout import Layout
@@ -91,6 +92,8 @@ def shard_model(
     originals = dict(model.named_parameters()) if mesh is not None else {}
     if plan.tp is not None and parallelize_fn is None:
         apply_tp(model, tp_submesh(mesh), plan.tp)
+    if plan.cp is not None:
+        apply_context_parallel(model, cp_submesh(mesh), plan.cp)
     shard_mesh = fsdp_submesh(mesh)
     checkpointing = layout.checkpointing
     if checkpointing is not None:

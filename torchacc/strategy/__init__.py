@@ -25,6 +25,7 @@ from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from ..parallel.agree import agree_on_config, report_config_error
+from ..parallel.context import sequence_split
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.meta_init import init_empty_weights
@@ -262,5 +263,6 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             seed=cfg.seed,
             prefetch=cfg.prefetch,
             shard=cfg.shard,
+            transform=sequence_split(state["layout"], env.rank()),  # CP: this rank's chunk of every sequence
         )
         return self.dataloader

@@ -109,11 +109,14 @@ def apply_options(
             dist_cfg.tp.plan = dict(tensor_parallel_plan)
         dist_cfg.tp.sequence_parallel = dist_cfg.tp.sequence_parallel or sequence_parallel
     tp = dist_cfg.tp.size
-    data_ranks = world_size // tp if world_size % tp == 0 else world_size
+    split = tp * dist_cfg.cp.size  # the ranks of one TP or CP group share their batches
+    data_ranks = world_size // split if world_size % split == 0 else world_size
     if data_parallel_size not in ("auto", data_ranks):
         raise ValueError(
             f"data_parallel_size={data_parallel_size} must equal the world size {world_size}"
-            + (f" / tensor_parallel_size={tp} = {data_ranks}" if tp > 1 else " (no tensor parallelism)")
+            + (f" / tensor_parallel_size={tp}" if tp > 1 else "")
+            + (f" / config.dist.cp.size={dist_cfg.cp.size}" if dist_cfg.cp.size > 1 else "")
+            + (f" = {data_ranks}" if split > 1 else " (no tensor or context parallelism)")
             + "; use 'auto'"
         )
     fsdp = dist_cfg.fsdp
@@ -124,12 +127,14 @@ def apply_options(
         fsdp.size, dist_cfg.dp.size = 1, data_ranks
     elif sharding_strategy == "HYBRID_SHARD":
         per_node = env.local_world_size()
-        if per_node % tp:
+        if per_node % split:
+            cp_part = f" x config.dist.cp.size={dist_cfg.cp.size}" if dist_cfg.cp.size > 1 else ""
             raise ValueError(
-                f"tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: HYBRID_SHARD shards inside "
-                "a node and a TP group must stay inside one; choose a divisor of the ranks per node"
+                f"tensor_parallel_size={tp}{cp_part} does not divide the {per_node} ranks of a node: HYBRID_SHARD "
+                f"shards inside a node and a TP{' or CP' if cp_part else ''} group must stay inside one; choose a "
+                "divisor of the ranks per node"
             )
-        fsdp.size, dist_cfg.dp.size = per_node // tp, world_size // per_node
+        fsdp.size, dist_cfg.dp.size = per_node // split, world_size // per_node
     if isinstance(mp_policy, str):
         config.compute.bf16 = mp_policy == "bf16"
         config.compute.fp16 = mp_policy == "fp16"
