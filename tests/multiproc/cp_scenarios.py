@@ -32,10 +32,14 @@ def sft_dataset(num_samples: int = 16, seed: int = 2) -> list[dict[str, torch.Te
     return samples
 
 
-def cp_config(*, fsdp: int = 1, cp: int = 2, tp: int = 1, kind: str = "llama") -> torchacc.Config:
+def cp_config(
+    *, fsdp: int = 1, cp: int = 2, tp: int = 1, kind: str = "llama", method: str = "ulysses", gc: bool = False
+) -> torchacc.Config:
     config = torchacc.Config()
+    config.memory.gc = gc
     config.dist.fsdp.size = fsdp
     config.dist.cp.size = cp
+    config.dist.cp.method = method
     config.dist.tp.size = tp
     config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer" if kind == "llama" else "Qwen2DecoderLayer"}
     config.dist.timeout = 120.0
@@ -164,5 +168,25 @@ def four_rank_suite(out: str) -> dict:
         "fsdp2_cp2": train(cp_config(fsdp=2)),
         "fsdp2_cp2_qwen2": train(cp_config(fsdp=2, kind="qwen2"), kind="qwen2"),
         "cp2_tp2": train(cp_config(tp=2), num_key_value_heads=4),
+        "dp2_cp2_gc": train(cp_config(fsdp=1, gc=True)),  # HSDP over (dp, fsdp x cp); recomputed attention
         "fsdp4_loaded": snapshot(model, optimizer),
     }
+
+
+def cuda_cp2(method: str) -> dict:
+    """CP 2 on 2 GPUs (NCCL) with ``method``, and the same steps on one unsharded model on this GPU."""
+    result = train(cp_config(method=method))
+    device = torchacc.dist.device()
+    model = tiny_llama(seed=0).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    dataset, losses = token_dataset(32), []
+    for indices in result["indices"]:
+        ids = torch.stack([dataset[i]["input_ids"] for i in indices]).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    result["reference"] = {"losses": losses, "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    result["state"] = {k: v.cpu() for k, v in result["state"].items()}
+    return result

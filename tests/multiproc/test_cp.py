@@ -111,6 +111,16 @@ def test_cp2_x_tp2_matches_one_process(four):
     assert down[1] == ["fsdp_cp", "tp"]
 
 
+def test_replicas_of_cp2_with_activation_checkpointing_match_one_process(four):
+    _assert_parity([r["dp2_cp2_gc"] for r in four], cp=2)
+    result = four[0]["dp2_cp2_gc"]
+    assert result["mesh"] == (["dp", "fsdp", "cp"], [[[0, 1]], [[2, 3]]])
+    assert result["placements"]["model.layers.0.mlp.down_proj.weight"] == (
+        ["Replicate()", "Shard(dim=0)"],
+        ["dp", "fsdp_cp"],
+    )
+
+
 def test_the_strategy_splits_sequences_like_accelerate(two):
     _assert_parity([r["strategy_cp2"] for r in two], cp=2)
 

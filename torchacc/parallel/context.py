@@ -95,7 +95,7 @@ def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_siz
     implementation = getattr(hf_config, "_attn_implementation", None)
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     attention = _attention_modules(model)
-    if implementation is None or not attention or not (callable(can_set) and can_set()):
+    if implementation is None or not attention or (callable(can_set) and not can_set()):
         raise ValueError(
             f"dist.cp.size={size} runs the attention of a Hugging Face transformers model over split sequences, but "
             f"torchacc finds no such attention in {type(model).__name__}: it needs a transformers model (a "
