@@ -14,7 +14,9 @@ model train on the chunks exactly as on the whole sequences, without the user to
   of all chunks.
 * One forward. A pre-forward hook gathers the chunks' positions, padding masks and target counts from the
   ranks of the CP group (one all-gather of small integer tensors), and passes a ``ContextForward`` down to the
-  attention layers in the ``torchacc_cp`` keyword argument, which transformers forwards to them.
+  attention layers in the ``torchacc_cp`` keyword argument, which transformers forwards to them. It also turns
+  the KV cache off (``use_cache=False``): generation is not supported, and a cache would make an
+  activation-checkpointed layer's recomputation see its chunk's keys twice.
 * The loss. With ``labels``, the hook asks the model for the sum of its chunk's token losses
   (``num_items_in_batch=1``). After the forward, the sums of the CP group are added up (one all-reduce of a
   scalar) and divided by the group's number of targets: every rank of the group returns the loss of the whole
@@ -235,6 +237,9 @@ class _ForwardHooks:
             attention_mask=full_mask.bool() if mask is not None else None,
         )
         kwargs[CONTEXT_KWARG] = context
+        # A KV cache would hold this chunk's keys, and a recomputing (activation-checkpointed) layer would append
+        # its keys to them a second time: the all-to-all would then mix up chunks.
+        kwargs["use_cache"] = False
         if labels is not None and kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = 1  # the model returns the sum of its chunk's token losses
             context.num_targets = valid.sum()
