@@ -6,6 +6,8 @@ The data path, by concept:
   ``DistributedSampler`` (``torchacc/data/sampler.py``);
 * iteration and resume position: :class:`ShardedDataLoader` (``torchacc/data/loader.py``);
 * device placement: :func:`move_to_device` and the CUDA side-stream prefetch (``torchacc/data/placement.py``).
+* context parallelism: each rank's chunk of every sequence, labels shifted first (``torchacc/data/context.py``),
+  applied to every batch through ``shard_dataloader(transform=...)``.
 
 All three public names are importable from here.
 
