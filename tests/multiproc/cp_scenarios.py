@@ -33,10 +33,18 @@ def sft_dataset(num_samples: int = 16, seed: int = 2) -> list[dict[str, torch.Te
 
 
 def cp_config(
-    *, fsdp: int = 1, cp: int = 2, tp: int = 1, kind: str = "llama", method: str = "ulysses", gc: bool = False
+    *,
+    fsdp: int = 1,
+    cp: int = 2,
+    tp: int = 1,
+    kind: str = "llama",
+    method: str = "ulysses",
+    gc: bool = False,
+    bf16: bool = False,
 ) -> torchacc.Config:
     config = torchacc.Config()
     config.memory.gc = gc
+    config.compute.bf16 = bf16
     config.dist.fsdp.size = fsdp
     config.dist.cp.size = cp
     config.dist.cp.method = method
@@ -148,6 +156,7 @@ def two_rank_suite(out: str) -> dict:
     return {
         "cp2": train(cp_config()),
         "cp2_qwen2_sft": train(cp_config(kind="qwen2"), kind="qwen2", data="sft"),
+        "cp2_bf16": train(cp_config(bf16=True)),  # FSDP's bf16 input casting must not copy the CP context
         "strategy_cp2": train_strategy(cp_config()),
         "checkpoint": checkpoint_cp2(Path(out)),
     }

@@ -88,6 +88,14 @@ def test_cp2_qwen2_with_padding_and_uneven_targets_matches_one_process(two):
     assert two[0]["cp2_qwen2_sft"]["lengths"] == [8, 8, 8]
 
 
+def test_cp2_trains_in_bf16(two):
+    """FSDP's bf16 input casting rebuilds dataclasses on their way into each unit: the CP context survives it."""
+    for result in two:
+        assert result["cp2_bf16"]["attn"] == "torchacc_ulysses"
+        bf16, fp32 = torch.tensor(result["cp2_bf16"]["losses"]), torch.tensor(result["cp2"]["losses"])
+        torch.testing.assert_close(bf16, fp32, atol=2e-2, rtol=0)
+
+
 def test_fsdp2_x_cp2_matches_one_process(four):
     _assert_parity([r["fsdp2_cp2"] for r in four], cp=2)
     result = four[0]["fsdp2_cp2"]

@@ -17,7 +17,6 @@ Each all-to-all moves ``(cp - 1) / cp`` of the tensor it is given, in both direc
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,25 +29,42 @@ CONTEXT_KWARG = "torchacc_cp"
 """The keyword argument that carries the ``ContextForward`` from the model's call to its attention layers."""
 
 
-@dataclass
 class ContextForward:
-    """What the attention layers of one forward need to see the whole sequence (built by ``context.py``)."""
+    """What the attention layers of one forward need to see the whole sequence (built by ``context.py``).
 
-    mesh: DeviceMesh
-    """The 1-D ``cp`` mesh."""
-    attn_implementation: str
-    """The model's own attention ("sdpa" or "eager"), run on whole sequences."""
-    mask_config: Any
-    """A copy of the model's config naming ``attn_implementation``, for transformers' mask builder."""
-    position_ids: torch.Tensor
-    """Positions of the whole sequences, ``(batch, seq)``."""
-    attention_mask: torch.Tensor | None
-    """The whole sequences' 2-D padding mask, or None (no padding)."""
-    num_targets: torch.Tensor | None = None
-    """The number of targets of the whole sequences when the loss is the sum of each chunk's (see context.py)."""
-    num_calls: int = 0
-    """Attention layers run so far (the model checks after its forward that some did)."""
-    _masks: dict[torch.dtype, Any] = field(default_factory=dict)
+    A plain class, not a dataclass: FSDP's input casting rebuilds dataclasses (``dataclasses.replace``) on
+    their way into every unit, and each layer would count its calls on a copy.
+
+    Attributes:
+        mesh: the 1-D ``cp`` mesh.
+        attn_implementation: the model's own attention ("sdpa" or "eager"), run on whole sequences.
+        mask_config: a copy of the model's config naming ``attn_implementation``, for transformers' mask builder.
+        position_ids: positions of the whole sequences, ``(batch, seq)``.
+        attention_mask: the whole sequences' 2-D padding mask, or None (no padding).
+        num_targets: the number of targets of the whole sequences when the loss is the sum of each chunk's.
+        num_calls: attention layers run so far (the model checks after its forward that some did).
+    """
+
+    __slots__ = ("mesh", "attn_implementation", "mask_config", "position_ids", "attention_mask", "num_targets")
+    __slots__ += ("num_calls", "_masks")
+
+    def __init__(
+        self,
+        *,
+        mesh: DeviceMesh,
+        attn_implementation: str,
+        mask_config: Any,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        self.mesh = mesh
+        self.attn_implementation = attn_implementation
+        self.mask_config = mask_config
+        self.position_ids = position_ids
+        self.attention_mask = attention_mask
+        self.num_targets: torch.Tensor | None = None
+        self.num_calls = 0
+        self._masks: dict[torch.dtype, Any] = {}
 
     def full_mask(self, dtype: torch.dtype) -> Any:
         """The mask the model itself would build for the whole sequences (None: plain causal), built once."""
