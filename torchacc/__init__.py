@@ -30,6 +30,7 @@ from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
 from .config import (
     ComputeConfig,
     Config,
+    CPConfig,
     DataLoaderConfig,
     DistConfig,
     DPConfig,
@@ -60,6 +61,7 @@ __all__ = [
     "FSDPConfig",
     "TPConfig",
     "PPConfig",
+    "CPConfig",
     "DataLoaderConfig",
     "MetricsConfig",
     "accelerate",

@@ -23,6 +23,7 @@ from ._io import Node, fmt
 from ._rules import validate_metrics, validate_pp
 from .sections import (
     ComputeConfig,
+    CPConfig,
     DataLoaderConfig,
     DistConfig,
     DPConfig,
@@ -37,6 +38,7 @@ from .sections import (
 __all__ = [
     "ComputeConfig",
     "Config",
+    "CPConfig",
     "DPConfig",
     "DataLoaderConfig",
     "DistConfig",
@@ -92,29 +94,38 @@ class Config(Node):
             raise ValueError(
                 "compute.bf16 and compute.fp16 are both True, but they exclude each other; set one to False"
             )
-        tp, pp = d.tp.size, d.pp.size
-        for name, size, what in (("fsdp", fsdp, "sharding"), ("tp", tp, "tensor parallelism")):
+        tp, pp, cp = d.tp.size, d.pp.size, d.cp.size
+        axes = (
+            ("pp", pp, "pipeline parallelism"),
+            ("fsdp", fsdp, "sharding"),
+            ("tp", tp, "tensor parallelism"),
+            ("cp", cp, "context parallelism"),
+        )
+        for name, size, what in axes[1:]:
             if size < 1:
                 raise ValueError(f"dist.{name}.size must be >= 1, got {size}; use 1 to disable {what}")
         if pp < 1:
             raise ValueError(f"dist.pp.size must be >= 1, got {pp}; use 1 to disable pipeline parallelism")
         divisors = f"choose a divisor of {ws}: {', '.join(str(n) for n in range(1, ws + 1) if ws % n == 0)}"
-        # the model-parallel product: pipeline stages x shards x tensor splits (dp multiplies it to the world size)
-        axes = [(name, size) for name, size in (("pp", pp), ("fsdp", fsdp), ("tp", tp)) if name == "fsdp" or size > 1]
-        what = " * ".join(f"dist.{name}.size={size}" for name, size in axes)
-        what += f" = {pp * fsdp * tp}" if len(axes) > 1 else ""
-        if pp * fsdp * tp > ws:
+        split = pp * fsdp * tp * cp  # the ranks of one model replica (dp multiplies it to the world size)
+        named = [(f"dist.{name}.size", size) for name, size, _ in axes if name == "fsdp" or size > 1]
+        what = " * ".join(f"{path}={size}" for path, size in named) + (f" = {split}" if len(named) > 1 else "")
+        if split > ws:
             raise ValueError(f"{what} exceeds world size {ws}; {divisors}")
-        if ws % (pp * fsdp * tp):
+        if ws % split:
             raise ValueError(f"{what} does not divide world size {ws}; {divisors}")
         if dp is not None and dp < 1:
             raise ValueError(f"dist.dp.size must be None or >= 1, got {dp}; leave it None to infer it")
-        if dp is not None and dp * pp * fsdp * tp != ws:
-            names = " * ".join(f"dist.{name}.size" for name in ("dp", *(name for name, _ in axes)))
-            product = " * ".join(f"dist.{name}.size={size}" for name, size in (("dp", dp), *axes))
+        if dp is not None and dp * split != ws:
+            product = " * ".join([f"dist.dp.size={dp}", *(f"{path}={size}" for path, size in named)])
             raise ValueError(
-                f"{names} must equal world size {ws}, got {product} = {dp * pp * fsdp * tp}; set "
-                f"dist.dp.size={ws // (pp * fsdp * tp)} or leave it None to infer it"
+                f"{' * '.join(['dist.dp.size', *(path for path, _ in named)])} must equal world size {ws}, "
+                f"got {product} = {dp * split}; set dist.dp.size={ws // split} or leave it None to infer it"
+            )
+        if d.cp.method not in ("ulysses", "ring"):
+            raise ValueError(
+                f"dist.cp.method={d.cp.method!r} is not supported; use 'ulysses' (all-to-all, CPU and GPU) or 'ring' "
+                "(torch's ring attention, CUDA only)"
             )
         validate_pp(d)
         if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
@@ -169,7 +180,8 @@ class Config(Node):
         validate_metrics(self.metrics)
 
     def resolved_dp_size(self, world_size: int) -> int:
-        """Return ``dist.dp.size``, or ``world_size // (dist.pp.size * dist.fsdp.size * dist.tp.size)`` when it is None.
+        """Return ``dist.dp.size``, or ``world_size // (dist.pp.size * dist.fsdp.size * dist.tp.size * dist.cp.size)``
+        when it is None.
 
         Args:
             world_size: Number of processes in the job.
@@ -183,7 +195,7 @@ class Config(Node):
         self.validate(world_size)
         if self.dist.dp.size is not None:
             return self.dist.dp.size
-        return world_size // (self.dist.fsdp.size * self.dist.tp.size * self.dist.pp.size)
+        return world_size // (self.dist.fsdp.size * self.dist.tp.size * self.dist.pp.size * self.dist.cp.size)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""

@@ -18,6 +18,7 @@ __all__ = [
     "FSDPConfig",
     "TPConfig",
     "PPConfig",
+    "CPConfig",
     "DistConfig",
     "DataLoaderConfig",
     "MetricsConfig",
@@ -158,6 +159,24 @@ class PPConfig(Node):
 
 
 @dataclass(kw_only=True, slots=True)
+class CPConfig(Node):
+    """Context parallelism: each sequence split along its length over a group of ranks (see
+    docs/context_parallel.md)."""
+
+    _path: ClassVar[str] = "dist.cp"
+    size: int = 1
+    """Number of ranks that split each sequence; 1 disables it. They take the same samples, each its own chunk of
+    every sequence, and FSDP shards the parameters over dist.fsdp.size * dist.cp.size ranks. dist.dp.size *
+    dist.fsdp.size * dist.cp.size * dist.tp.size must equal the world size. A sequence whose length is not a
+    multiple of the size (twice the size with "ring") is padded at its end; the padding has no targets."""
+    method: str = "ulysses"
+    """How attention sees the whole sequence: "ulysses" (two all-to-alls around each attention: the chunks of all
+    ranks are exchanged for a share of the heads, so dist.cp.size, times dist.tp.size with TP, must divide the
+    attention and key/value heads; CPU and GPU) or "ring" (torch's ring attention, which passes key/value chunks
+    around the ranks; CUDA only, causal attention without padding)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class DistConfig(Node):
     """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
 
@@ -170,10 +189,12 @@ class DistConfig(Node):
     """Fully sharded data parallelism (sharding within one replica)."""
     tp: TPConfig = field(default_factory=TPConfig)
     """Tensor parallelism (splitting each layer)."""
+    cp: CPConfig = field(default_factory=CPConfig)
+    """Context parallelism (splitting each sequence)."""
     topology: list[str] = field(default_factory=lambda: ["dp", "fsdp"])
     """Order of the parallel axes in the rank layout, outermost first: a permutation of ["dp", "fsdp"] ("tp" is
     then innermost) or of ["dp", "fsdp", "tp"]. With the default, the ranks of one TP group are contiguous (one
-    node), then the ranks that shard one model."""
+    node), then the ranks that shard one model. The ranks of one CP group (dist.cp) sit just outside "tp"."""
     timeout: float = 1800.0
     """Seconds a collective may wait before the job fails (the process-group timeout)."""
 

@@ -9,7 +9,7 @@ save and restore the position in the data; see [Note: Resuming mid-epoch] in
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ class ShardedDataLoader:
     Attributes:
         loader: The torch DataLoader that is iterated (rebuilt, or the user's one if not sharded).
         device: Where batches are placed.
+        transform: Applied to every batch before it is placed (context parallelism's sequence split), or None.
 
     Example:
         >>> state = loader.state_dict()  # after some steps; store it with the model checkpoint
@@ -62,10 +63,18 @@ class ShardedDataLoader:
         ...         ...
     """
 
-    def __init__(self, loader: DataLoader, *, device: torch.device, prefetch: bool = True) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        *,
+        device: torch.device,
+        prefetch: bool = True,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.loader = loader
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.transform = transform
         self._epoch = 0
         self._progress: _Progress | None = None  # the latest pass
         self._resume: _Progress | None = None  # a loaded position the next pass starts at
@@ -255,6 +264,8 @@ class ShardedDataLoader:
         batches = iter(self.loader)
         if self._skip_reads:
             batches = itertools.islice(batches, self._skip_reads, None)
+        if self.transform is not None:
+            batches = map(self.transform, batches)
         if self._observer is not None:
             return self._count(observed(batches, self._observer, self.device, prefetch=self.prefetch), progress)
         return self._count(place_batches(batches, self.device, prefetch=self.prefetch), progress)

@@ -22,6 +22,7 @@ from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from ..metrics import install_metrics
 from .agree import agree_on_config, report_config_error
+from .context import sequence_split
 from .engine import remap_optimizer, shard_model
 from .layout import Layout
 from .plan import plan_model
@@ -80,7 +81,8 @@ def accelerate(
         plan = plan_model(model, layout, optimizer=optimizer)
         loader = None
         if dataloader is not None:
-            # the ranks of one TP group (or pipeline) take the same batches: the sampler runs over the dp x fsdp ranks
+            # the ranks of one TP or CP group (or pipeline) take the same batches: the sampler runs over the dp x fsdp
+            # ranks
             loader = shard_dataloader(
                 dataloader,
                 num_replicas=layout.dims.num_data_ranks,
@@ -91,6 +93,7 @@ def accelerate(
                 seed=config.dataloader.seed,
                 prefetch=config.dataloader.prefetch,
                 shard=config.dataloader.shard,
+                transform=sequence_split(layout, rank),  # CP: this rank's chunk of every sequence
             )
     except (ValueError, TypeError) as exc:
         if world_size > 1:
@@ -111,13 +114,16 @@ def accelerate(
 
 def _require_torchrun(config: Config, world_size: int) -> None:
     """A layout of several ranks run as plain ``python train.py``: say how to launch it."""
-    wanted = config.dist.fsdp.size * config.dist.tp.size * config.dist.pp.size * (config.dist.dp.size or 1)
+    wanted = config.dist.fsdp.size * config.dist.tp.size * config.dist.pp.size * config.dist.cp.size
+    wanted *= config.dist.dp.size or 1
     if world_size == 1 and wanted > 1 and "WORLD_SIZE" not in os.environ:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         script = script if script and not script.startswith("-") else "train.py"
         layout = f"dist.fsdp.size={config.dist.fsdp.size}"
         if config.dist.tp.size > 1:
             layout += f" x dist.tp.size={config.dist.tp.size}"
+        if config.dist.cp.size > 1:
+            layout += f" x dist.cp.size={config.dist.cp.size}"
         if config.dist.pp.size > 1:
             layout = f"dist.pp.size={config.dist.pp.size} x {layout}"
         if config.dist.dp.size:
@@ -126,7 +132,8 @@ def _require_torchrun(config: Config, world_size: int) -> None:
             f"{layout} asks for {wanted} processes, but this one was not started by torchrun and runs alone; "
             f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 "
             f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}"
-            f"{'and dist.pp.size=1 ' if config.dist.pp.size > 1 else ''}to train in one process"
+            f"{'and dist.pp.size=1 ' if config.dist.pp.size > 1 else ''}"
+            f"{'and dist.cp.size=1 ' if config.dist.cp.size > 1 else ''}to train in one process"
         )
 
 

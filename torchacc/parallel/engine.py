@@ -25,7 +25,7 @@ from .._utils.logging import warn_once
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
 from ..distributed.collectives import broadcast, sync_tensors
-from ..distributed.mesh import fsdp_submesh, pp_submesh, tp_submesh
+from ..distributed.mesh import cp_submesh, fsdp_submesh, pp_submesh, tp_submesh
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
 from .accelerated import (
@@ -37,6 +37,7 @@ from .accelerated import (
     replaced_name,
 )
 from .activation_checkpoint import apply_activation_checkpointing
+from .context import apply_context_parallel
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
 from .layout import Layout
@@ -117,6 +118,8 @@ def shard_model(
         sync_rng(tp_mesh, device=device)  # see [Note: one random stream per TP group] in tp_rng.py
     if plan.tp is not None and parallelize_fn is None:
         apply_tp(model, tp_mesh, restrict_tp_plan(plan.tp, model) if stages else plan.tp)
+    if plan.cp is not None:
+        apply_context_parallel(model, cp_submesh(mesh), plan.cp)
     shard_mesh = fsdp_submesh(mesh)
     checkpointing = layout.checkpointing
     if checkpointing is not None:

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import Config
-from ..distributed.mesh import build_mesh, data_parallel_rank
+from ..distributed.mesh import build_mesh, context_parallel_rank, data_parallel_rank
 
 __all__ = ["ActivationCheckpointing", "Layout", "ParallelDims", "PipelineSchedule"]
 
@@ -42,31 +42,55 @@ class ParallelDims:
     """The order of the axes in the rank layout, outermost first."""
     pp: int = 1
     """Pipeline stages on different ranks (the outermost axis, outside ``topology``)."""
+    cp: int = 1
+    """Ranks that split each sequence (context parallelism; just outside ``tp`` in the rank layout)."""
 
     def __post_init__(self) -> None:
-        if self.pp * self.dp * self.fsdp * self.tp != self.world_size:
+        if self.pp * self.dp * self.fsdp * self.tp * self.cp != self.world_size:
             raise AssertionError(f"{self} does not multiply to its world size")
 
     @property
     def num_data_ranks(self) -> int:
-        """Ranks that take different batches: ``dp * fsdp`` (the ranks of one TP group or pipeline share theirs)."""
+        """Ranks that take different batches: ``dp * fsdp`` (the ranks of one TP or CP group or of one pipeline share
+        theirs)."""
         return self.dp * self.fsdp
 
     @property
     def needs_mesh(self) -> bool:
         """False for plain data parallelism and one process (DDP, or nothing, needs no mesh)."""
-        return self.fsdp > 1 or self.tp > 1 or self.pp > 1
+        return self.fsdp > 1 or self.tp > 1 or self.pp > 1 or self.cp > 1
 
     @property
     def sharded(self) -> bool:
-        """True when ``fully_shard`` runs: some replica is sharded (FSDP, HSDP), or TP or a pipeline runs beside
-        replicas (which ``fully_shard`` then keeps in sync, with shards of one rank)."""
-        return self.needs_mesh and self.dp * self.fsdp > 1
+        """True when ``fully_shard`` runs: some replica is sharded (FSDP, HSDP; over ``fsdp x cp`` with context
+        parallelism), or TP or a pipeline runs beside replicas (which ``fully_shard`` then keeps in sync, with
+        shards of one rank)."""
+        return self.needs_mesh and self.dp * self.fsdp * self.cp > 1
 
     def data_parallel_rank(self, rank: int) -> int:
         """``rank``'s index among the ``num_data_ranks`` data-parallel ranks (pure arithmetic)."""
         return data_parallel_rank(
-            rank, dp_size=self.dp, fsdp_size=self.fsdp, tp_size=self.tp, topology=self.topology, pp_size=self.pp
+            rank,
+            dp_size=self.dp,
+            fsdp_size=self.fsdp,
+            tp_size=self.tp,
+            topology=self.topology,
+            pp_size=self.pp,
+            cp_size=self.cp,
+        )
+
+    def context_parallel_rank(self, rank: int) -> int:
+        """``rank``'s index in its CP group (the chunk of each sequence it takes); 0 without context parallelism."""
+        if self.cp == 1:
+            return 0
+        return context_parallel_rank(
+            rank,
+            dp_size=self.dp,
+            fsdp_size=self.fsdp,
+            cp_size=self.cp,
+            tp_size=self.tp,
+            topology=self.topology,
+            pp_size=self.pp,
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -80,12 +104,14 @@ class ParallelDims:
             tp_size=self.tp,
             topology=self.topology,
             pp_size=self.pp,
+            cp_size=self.cp,
         )
 
     def describe(self) -> str:
         """``"fsdp=2 x tp=2"``-style text, outermost axis first, sizes of 1 left out (``"1 rank"`` alone)."""
-        sizes = {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "cp": self.cp}
         order = ["pp", *self.topology, *(["tp"] if "tp" not in self.topology else [])]
+        order.insert(order.index("tp"), "cp")
         parts = [f"{axis}={sizes[axis]}" for axis in order if sizes[axis] > 1]
         return " x ".join(parts) or "1 rank"
 
@@ -150,6 +176,8 @@ class Layout:
     sequence_parallel: bool = False
     pipeline: PipelineSchedule | None = None
     """The pipeline schedule when ``dims.pp > 1``."""
+    cp_method: str = "ulysses"
+    """How attention sees the whole sequence under context parallelism: "ulysses" or "ring" (dist.cp.method)."""
     ignored: tuple[str, ...] = field(default=())
     """Settings that have no effect in this layout, each with the reason (``accelerate()`` warns once each)."""
 
@@ -170,9 +198,16 @@ class Layout:
         """
         config.validate(world_size)
         d, m, c = config.dist, config.memory, config.compute
-        tp, pp = d.tp.size, d.pp.size
-        dp = d.dp.size if d.dp.size is not None else world_size // (d.fsdp.size * tp * pp)
-        dims = ParallelDims(world_size=world_size, dp=dp, fsdp=d.fsdp.size, tp=tp, topology=tuple(d.topology), pp=pp)
+        tp, pp, cp = d.tp.size, d.pp.size, d.cp.size
+        dp = d.dp.size if d.dp.size is not None else world_size // (d.fsdp.size * tp * pp * cp)
+        dims = ParallelDims(
+            world_size=world_size, dp=dp, fsdp=d.fsdp.size, tp=tp, topology=tuple(d.topology), pp=pp, cp=cp
+        )
+        if cp > 1 and d.cp.method == "ring" and device_type != "cuda":
+            raise ValueError(
+                f"dist.cp.method='ring' runs torch's ring attention, which needs CUDA, but this run computes on "
+                f"{device_type}; use dist.cp.method='ulysses' (all-to-all, works on any device)"
+            )
         ignored = []
         offload = m.offload_params
         if offload and device_type != "cuda":
@@ -212,5 +247,6 @@ class Layout:
             tp_plan=plan,
             sequence_parallel=d.tp.sequence_parallel,
             pipeline=pipeline,
+            cp_method=d.cp.method,
             ignored=tuple(ignored),
         )

@@ -29,6 +29,7 @@ from ..distributed import env
 from ..distributed.mesh import build_mesh
 from ..metrics import install_metrics, watch_loader
 from ..parallel.agree import agree_on_config, report_config_error
+from ..parallel.context import sequence_split
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.meta_init import init_empty_weights
@@ -36,7 +37,7 @@ from ..parallel.plan import plan_model
 from ..parallel.precision import GradScaler
 from .checkpoint import StrategyCheckpointMixin
 from .offload import StrategyOffloadMixin
-from .options import apply_options, check_options
+from .options import apply_options, check_options, check_pipeline_options
 from .runtime import StrategyRuntimeMixin
 from .steps import StrategyStepsMixin
 
@@ -186,7 +187,12 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             if self.train_batch_size is None:
                 self.train_batch_size = per_step
             if layout.pipeline is not None:
-                _check_pipeline(self, layout.pipeline.microbatches)
+                check_pipeline_options(
+                    loss_fn=self.loss_fn,
+                    parallelize_fn=self.parallelize_fn,
+                    micro_train_batch_size=self.micro_train_batch_size,
+                    microbatches=layout.pipeline.microbatches,
+                )
             if self.train_batch_size % per_step:
                 raise ValueError(
                     f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
@@ -279,22 +285,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             seed=cfg.seed,
             prefetch=cfg.prefetch,
             shard=cfg.shard,
+            transform=sequence_split(state["layout"], env.rank()),  # CP: this rank's chunk of every sequence
         )
         watch_loader(self.dataloader, self.model)
         return self.dataloader
-
-
-def _check_pipeline(strategy: FSDP2Strategy, microbatches: int) -> None:
-    """Strategy options a pipelined model cannot honour (config.dist.pp.size > 1), refused before any collective."""
-    for name in ("loss_fn", "parallelize_fn"):
-        if getattr(strategy, name) is not None:
-            raise ValueError(
-                f"{name}= does not combine with config.dist.pp.size > 1: the pipeline splits a Hugging Face decoder "
-                "into stages itself and computes its causal-LM loss on the last stage; drop it, or set dist.pp.size=1"
-            )
-    if strategy.micro_train_batch_size % microbatches:
-        raise ValueError(
-            f"micro_train_batch_size={strategy.micro_train_batch_size} does not divide into "
-            f"config.dist.pp.microbatches={microbatches}: each micro-batch runs through the pipeline in that many "
-            "pieces; choose a multiple"
-        )
