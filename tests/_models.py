@@ -108,6 +108,8 @@ DECODERS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}),
     # query_key_value: q, k and v fused, grouped per head
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    # scales the embeddings in the decoder's forward and the logits after the head
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 3.0, "logits_scaling": 5.0}),
 }
 
 

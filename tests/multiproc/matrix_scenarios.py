@@ -16,6 +16,7 @@ serves every layout.
 import contextlib
 import importlib
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,15 @@ class Layout:
     sequence_split: int = 1  # the decoder layers must see 1/sequence_split of each sequence
 
     @property
+    def num_stages(self) -> int:
+        """Pipeline stages: each rank holds the parameters of one of them."""
+        return self.settings.get("dist.pp.size", 1)
+
+    @property
     def num_data_ranks(self) -> int:
-        return self.world_size // self.settings.get("dist.tp.size", 1)
+        """Ranks that take batches of their own: the ranks of a TP group, a CP group or a pipeline share theirs."""
+        shared = ("dist.tp.size", "dist.cp.size", "dist.pp.size")
+        return self.world_size // math.prod(self.settings.get(key, 1) for key in shared)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -128,6 +136,14 @@ LAYOUTS: dict[str, Layout] = {
         "TP 2 + SP", 2, {"dist.tp.size": 2, "dist.tp.sequence_parallel": True}, frozenset({"tp"}), sequence_split=2
     ),
     "fsdp2_tp2": Layout("FSDP 2 x TP 2", 4, {"dist.fsdp.size": 2, "dist.tp.size": 2}, frozenset({"fsdp", "tp"})),
+    # a stage alone holds plain tensors: test_matrix.py checks the stages' parameters instead
+    "pp2": Layout("PP 2", 2, {"dist.pp.size": 2}, frozenset()),
+    "pp2_fsdp2": Layout("PP 2 x FSDP 2", 4, {"dist.pp.size": 2, "dist.fsdp.size": 2}, frozenset({"fsdp"})),
+    # the ranks of a CP group hold the same parameters: FSDP shards them over fsdp x cp
+    "cp2": Layout("CP 2", 2, {"dist.cp.size": 2}, frozenset({"fsdp_cp"}), sequence_split=2),
+    "cp2_fsdp2": Layout(
+        "CP 2 x FSDP 2", 4, {"dist.cp.size": 2, "dist.fsdp.size": 2}, frozenset({"fsdp_cp"}), sequence_split=2
+    ),
 }
 
 
@@ -196,27 +212,28 @@ def _axes(model: torch.nn.Module) -> frozenset[str]:
     )
 
 
-def _count_block_tokens(model: torch.nn.Module, seen: list[int]) -> None:
-    """Record in ``seen`` how many tokens of each sequence the last decoder layer takes."""
+def _count_block_tokens(model: torch.nn.Module, block: str, seen: list[int]) -> None:
+    """Record in ``seen`` how many tokens of each sequence the last decoder layer of this rank takes."""
 
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         seen.append((hidden.to_local() if isinstance(hidden, DTensor) else hidden).shape[1])
 
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-    layers[-1].register_forward_pre_hook(record, with_kwargs=True)
+    # by class name: under a pipeline, the rank's blocks are no longer in an nn.ModuleList
+    blocks = [m for m in model.modules() if block in {cls.__name__ for cls in type(m).__mro__}]
+    blocks[-1].register_forward_pre_hook(record, with_kwargs=True)
 
 
 def _train(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[float], list[list[int]]]:
+    """The loop every layout runs: the plain loop with ``torchacc.train_step`` as its forward and backward."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, indices = [], []
     for batch in batches:
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        loss.backward()
+        indices.append(batch.pop("index").tolist())  # not the model's: the test checks which samples each rank saw
+        loss = torchacc.train_step(model, batch)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        indices.append(batch["index"].tolist())
     return losses, indices
 
 
@@ -231,7 +248,7 @@ def train_cell(family: str, layout: str, variant: str) -> dict:
     except ValueError as exc:
         return {"refused": str(exc)}
     block_tokens: list[int] = []
-    _count_block_tokens(model, block_tokens)
+    _count_block_tokens(model, FAMILIES[family].block, block_tokens)
     try:
         losses, indices = _train(model, itertools.islice(loader, NUM_STEPS))
     except Exception as exc:  # noqa: BLE001 - the test reports it as the cell's failure

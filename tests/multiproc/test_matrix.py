@@ -71,6 +71,21 @@ LOCAL_EXPERTS = Refused(
     "parallelism (each rank would keep its tokens' share of their gradient): TP 2 without SP trains it exactly",
 )
 
+PP_LAYOUT = Refused(
+    r"dist\.pp\.size > 1 splits Hugging Face decoder-only models .* GPT2LMHeadModel \(blocks in 'transformer\.h'\) "
+    r"lacks its blocks in a list named 'layers', an embed_tokens embedding",
+    "GPT-2's decoder (`wte` and `wpe`, blocks in `h`, `ln_f`) is not the `embed_tokens`, `layers`, final-norm "
+    "decoder the pipeline splits; its head is also tied to its embedding (see the next note)",
+)
+PP_TIED = Refused(
+    r"dist\.pp: lm_head\.weight is tied to model\.embed_tokens\.weight, but the head lives on the last stage and "
+    r"the embedding on the first; untie them",
+    "the head shares its weight with the embedding (`tie_word_embeddings=True`, the family's default), but the head "
+    "lives on the last stage and the embedding on the first, and the pipeline does not add up the two stages' "
+    "gradients of one weight: untie them (`tie_word_embeddings=False`) or train without PP",
+)
+PP_COLUMN = {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": PP_LAYOUT, "gemma": PP_TIED, "gemma2": PP_TIED}
+
 # What each cell gives: layout -> family -> outcome. A cell broken by a known defect says what it must give.
 CELLS: dict[str, dict[str, Verified | Refused]] = {
     "fsdp2": dict.fromkeys(FAMILIES, VERIFIED),
@@ -78,6 +93,10 @@ CELLS: dict[str, dict[str, Verified | Refused]] = {
     "tp2": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
     "tp2_sp": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D, "mixtral": LOCAL_EXPERTS},
     "fsdp2_tp2": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
+    "pp2": PP_COLUMN,
+    "pp2_fsdp2": PP_COLUMN,
+    "cp2": dict.fromkeys(FAMILIES, VERIFIED),
+    "cp2_fsdp2": dict.fromkeys(FAMILIES, VERIFIED),
 }
 
 # The families whose own plan (dist.tp.plan="auto") torchacc refuses, so that the matrix uses a dict plan.
@@ -179,15 +198,27 @@ def test_cell(launched, reference, layout, family, variant):
         share = len(results) // LAYOUTS[layout].num_data_ranks  # the ranks of a TP group share a batch
         assert sorted(seen) == sorted(batch * share), f"step {step}: the ranks' batches are not the global batch"
     ref_losses, ref_state = reference(family, variant)
+    if LAYOUTS[layout].num_stages > 1:
+        _assert_stages([result["state"].keys() for result in results], ref_state.keys(), LAYOUTS[layout].num_stages)
     # each data-parallel rank's loss is its own batch's mean, and the batches are equal: their mean is the global loss
     losses = torch.tensor([result["losses"] for result in results]).mean(dim=0)
     worst = (losses - torch.tensor(ref_losses)).abs().max().item()
     assert worst < TOL, f"losses {losses.tolist()} differ from one process's {ref_losses} by {worst:.2e}"
     for rank, result in enumerate(results):
-        assert result["state"].keys() == ref_state.keys(), "accelerate() must keep the state_dict keys"
-        diffs = {name: (result["state"][name] - value).abs().max().item() for name, value in ref_state.items()}
+        if LAYOUTS[layout].num_stages == 1:
+            assert result["state"].keys() == ref_state.keys(), "accelerate() must keep the state_dict keys"
+        diffs = {name: (value - ref_state[name]).abs().max().item() for name, value in result["state"].items()}
         name = max(diffs, key=diffs.get)
         assert diffs[name] < TOL, f"rank {rank}: {name} differs from one process by {diffs[name]:.2e}"
+
+
+def _assert_stages(keys: list, whole: set[str], num_stages: int) -> None:
+    """Under a pipeline each rank holds one stage's part of the state, under the plain model's names: the
+    ``num_stages`` parts are disjoint, and together they are the whole model's state."""
+    parts = {frozenset(part) for part in keys}
+    assert len(parts) == num_stages, f"the ranks hold {len(parts)} different parts of the model, not {num_stages}"
+    assert sum(map(len, parts)) == len(set().union(*parts)), "two stages hold the same tensor"
+    assert set().union(*parts) == set(whole), "accelerate() must keep the state_dict keys, over the stages"
 
 
 @pytest.mark.parametrize("family", sorted(OWN_PLAN_REFUSED))

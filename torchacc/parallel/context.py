@@ -11,7 +11,8 @@ model train on the chunks exactly as on the whole sequences, without the user to
   ``context_attention.py``) that wraps it with the exchange between the ranks. The model's own mask builder
   has no entry for these names, so it hands the attention no mask; the wrapper uses the mask that the model
   would build for the whole sequences (padding, packed sequences), built from the positions and padding mask
-  of all chunks.
+  of all chunks: the sliding-window mask for the layers that ``config.layer_types`` (or, without it,
+  ``config.sliding_window``) makes slide, as the model's decoder chooses, the causal mask for the others.
 * One forward. A pre-forward hook gathers the chunks' positions, padding masks and target counts from the
   ranks of the CP group (one all-gather of small integer tensors), and passes a ``ContextForward`` down to the
   attention layers in the ``torchacc_cp`` keyword argument, which transformers forwards to them. It also turns
@@ -53,6 +54,9 @@ class CPPlan:
     method: str
     attn_implementation: str
     """The model's own attention implementation, which runs on the whole sequences."""
+    sliding_layers: frozenset[int] = frozenset()
+    """The ``layer_idx`` of the attention layers with a sliding window: they attend with the whole sequences'
+    sliding-window mask (``config.sliding_window``), the others with the causal one."""
 
 
 def sequence_split(layout: Layout, rank: int) -> Callable[[Any], dict[str, Any]] | None:
@@ -89,9 +93,9 @@ def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_siz
 
     Raises:
         ValueError: a model without such attention (no Hugging Face config, or attention modules that do not
-            go through the interface), non-causal, sliding-window or chunked attention, an attention
-            implementation other than sdpa or eager (sdpa for "ring"), or heads that ``tp_size * size`` does not
-            divide.
+            go through the interface), non-causal or chunked attention (sliding windows: with "ring"), a model
+            that declares it cannot run under context parallelism, an attention implementation other than sdpa or
+            eager (sdpa for "ring"), or heads that ``tp_size * size`` does not divide.
     """
     hf_config = getattr(model, "config", None)
     implementation = getattr(hf_config, "_attn_implementation", None)
@@ -112,11 +116,12 @@ def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_siz
             f"dist.cp splits causal (decoder) attention, but {name}.{bidirectional[0]} attends both ways "
             "(is_causal=False); train this model without context parallelism (dist.cp.size=1)"
         )
-    if not getattr(model, "supports_context_parallel", True):
+    sliding = _sliding_layers(model, attention)
+    if sliding and method == "ring":
         raise ValueError(
-            f"dist.cp: {name} has sliding-window or chunked attention layers (config.layer_types or "
-            "config.sliding_window), whose masks torchacc does not build over split sequences; use a config "
-            "without them (e.g. use_sliding_window=False) or dist.cp.size=1"
+            f"dist.cp.method='ring' runs plain causal attention, but {name} has sliding-window layers "
+            f"({', '.join(map(str, sorted(sliding)))}); use dist.cp.method='ulysses', which builds the model's own "
+            "masks"
         )
     supported = SUPPORTED_ATTENTION[method]
     if implementation not in supported:
@@ -135,7 +140,42 @@ def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_siz
                 f"{what} does not divide {field_name}={heads} of {type(hf_config).__name__}: the ranks of a CP group "
                 f"each attend with a share of the heads; choose dist.cp.size in {choices}"
             )
-    return CPPlan(size=size, method=method, attn_implementation=implementation)
+    return CPPlan(size=size, method=method, attn_implementation=implementation, sliding_layers=sliding)
+
+
+def _sliding_layers(model: nn.Module, attention: list[tuple[str, nn.Module]]) -> frozenset[int]:
+    """The ``layer_idx`` of the sliding-window attention layers, decided as the model's decoder decides which mask
+    each layer gets: by ``config.layer_types``, or (models predating it, such as Mistral) every layer when
+    ``config.sliding_window`` is set. Raises for layer types whose masks torchacc does not build."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_context_parallel", True):  # transformers' flag: attention sinks, for one
+        raise ValueError(
+            f"dist.cp: {name} says it cannot run under context parallelism (transformers' "
+            "_supports_context_parallel=False: its attention needs more than the mask and the heads, such as "
+            "attention sinks); train it with dist.cp.size=1"
+        )
+    config = model.config
+    config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise ValueError(
+                f"dist.cp: {name} has {', '.join(other)} layers (config.layer_types), whose masks torchacc does not "
+                "build over split sequences (it builds full and sliding-window causal masks); use a config without "
+                "them or dist.cp.size=1"
+            )
+    if layer_types is None and getattr(config, "sliding_window", None) is None:
+        return frozenset()
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return frozenset()
+    indices = [getattr(module, "layer_idx", None) for _, module in attention]
+    if not all(isinstance(i, int) and (layer_types is None or 0 <= i < len(layer_types)) for i in indices):
+        raise ValueError(
+            f"dist.cp: {name} has sliding-window layers, but its attention modules do not say which layer they are "
+            "(an int layer_idx), so torchacc cannot give each its mask; train it with dist.cp.size=1"
+        )
+    return frozenset(i for i in indices if layer_types is None or layer_types[i] == "sliding_attention")
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, plan: CPPlan) -> None:
@@ -235,6 +275,7 @@ class _ForwardHooks:
             mask_config=self.mask_config,
             position_ids=full_positions,
             attention_mask=full_mask.bool() if mask is not None else None,
+            sliding_layers=self.plan.sliding_layers,
         )
         kwargs[CONTEXT_KWARG] = context
         # A KV cache would hold this chunk's keys, and a recomputing (activation-checkpointed) layer would append

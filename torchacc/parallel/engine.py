@@ -12,6 +12,7 @@ parameters to the mesh's device as it shards it (bottom-up, one unit at a time),
 
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import MethodType
 
 import torch
@@ -43,7 +44,7 @@ from .init_from import load_weights
 from .layout import Layout
 from .memory_report import log_summary
 from .meta_init import materialize
-from .pipeline import restrict_tp_plan, split_model
+from .pipeline import restrict_tp_plan, split_model, whole_model_scope
 from .pipeline_step import attach_pipeline
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
@@ -106,10 +107,12 @@ def shard_model(
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
-    stages = None
+    stages, whole_model = None, None
     if plan.pp is not None and layout.pipeline is not None:  # see [Note: pipeline stages] in pipeline.py
         pipe = pp_submesh(mesh)
         local = range(pipe.get_local_rank(), plan.pp.num_stages, layout.dims.pp)
+        if plan.meta:  # see [Note: meta init under a pipeline] in meta_init.py
+            whole_model = whole_model_scope(model, plan.pp)
         stages = split_model(model, plan.pp, stages=local)
         buffers = {name: b for name, b in buffers.items() if name in dict(model.named_buffers())}
         attach_pipeline(model, stages, schedule=layout.pipeline, group=pipe.get_group(), device=device)
@@ -154,7 +157,7 @@ def shard_model(
                 backward_prefetch=layout.backward_prefetch,
                 roots=stages,
             )
-        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from, whole_model=whole_model)
         if layout.broadcast_buffers and stages is None:  # no forward-changed buffers in the decoders PP splits
             broadcast_changed_buffers(model)
         record_parameter_names(model)  # names the parameters in optimizer-state errors
@@ -162,7 +165,7 @@ def shard_model(
     else:
         if not plan.meta:
             model.to(device)
-        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from, whole_model=whole_model)
         if plan.tp is not None:  # TP alone: DTensor parameters too (see [Note: plain optimizer loads])
             record_parameter_names(model)
             watch_optimizers()
@@ -198,11 +201,17 @@ def shard_model(
 
 
 def _fill(
-    model: nn.Module, plan: ModelPlan, *, device: torch.device, buffers: dict[str, torch.Tensor], init_from: str | None
+    model: nn.Module,
+    plan: ModelPlan,
+    *,
+    device: torch.device,
+    buffers: dict[str, torch.Tensor],
+    init_from: str | None,
+    whole_model: Callable[[], AbstractContextManager[None]] | None,
 ) -> None:
     """Give a meta-device model its values (own init or ``init_from``); load ``init_from`` into a real one."""
     if plan.meta:
-        materialize(model, device=device, buffers=buffers, init_from=init_from)
+        materialize(model, device=device, buffers=buffers, init_from=init_from, whole_model=whole_model)
     elif init_from is not None:
         load_weights(model, init_from)
 
