@@ -9,7 +9,7 @@ import itertools
 import report_scenarios
 import torch
 import torch.distributed as dist
-from _models import TinyNet, tiny_gpt2, token_dataset
+from _models import TinyNet, tiny_gpt2, tiny_llama, token_dataset
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -19,6 +19,7 @@ from torchacc.distributed.collectives import sync_tensors
 
 NUM_STEPS = 5
 LR = 1e-3
+PAD_ROW = 70  # a padding token in the second half of the vocabulary: another rank's shard at 2 and 4 ranks
 
 
 def gpt2_config(*, fsdp: int, dp: int | None = None, **extra) -> torchacc.Config:
@@ -93,14 +94,24 @@ def loader_indices(num_samples: str = "12") -> dict:
 def meta_init_state(
     fsdp: int = 0, dp: int | None = None, *, tp: int = 1, rank_seeds: bool = False
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Tiny GPT-2 (HF init) and TinyNet (reset_parameters) built on the meta device, then accelerated.
+    """Tiny GPT-2 (HF init), TinyNet (reset_parameters) and a Llama with a padding token built on the meta device,
+    then accelerated.
 
     ``rank_seeds``: each rank seeds 7 + its rank before building (docs/checkpoints.md's per-rank seeding); the
-    replicas must still start from rank 0's draw. ``tp``: TinyNet's blocks split by a dict plan (its head, outside
-    the plan, stays replicated over the TP ranks); GPT-2 is left out (its Conv1D has no TP style).
+    replicas must still start from rank 0's draw. ``tp``: TinyNet's blocks and the Llama's embedding split by a dict
+    plan (TinyNet's head, outside the plan, stays replicated over the TP ranks); GPT-2 is left out (its Conv1D has
+    no TP style). The Llama's init zeroes the padding row in place through an index of the (sharded) weight.
     """
     result = {}
-    models = (("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"), ("tinynet", TinyNet, "Block"))
+    models = (
+        ("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"),
+        ("tinynet", TinyNet, "Block"),
+        ("llama_pad", lambda: tiny_llama(seed=7, pad_token_id=PAD_ROW), "LlamaDecoderLayer"),
+    )
+    plans = {
+        "tinynet": {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"},
+        "llama_pad": {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"},
+    }
     for name, build, wrap in models[1:] if tp > 1 else models:
         torch.manual_seed(7 + (torchacc.dist.rank() if rank_seeds else 0))
         with torchacc.init_empty_weights():
@@ -111,7 +122,7 @@ def meta_init_state(
         config.dist.fsdp.wrap_layer_cls = {wrap}
         if tp > 1:
             config.dist.tp.size = tp
-            config.dist.tp.plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+            config.dist.tp.plan = plans[name]
         model = torchacc.accelerate(model, config=config)
         result[name] = full_state(model)
         first = next(model.parameters())

@@ -95,7 +95,7 @@ def test_meta_init_at_four_ranks_equals_one_process(four_ranks, layout):
 
     reference = scenarios.meta_init_state()
     for result in four_ranks:
-        for model in {"gpt2", "tinynet"} & result[layout].keys():
+        for model in {"gpt2", "tinynet", "llama_pad"} & result[layout].keys():
             for key, value in reference[model].items():
                 assert torch.equal(result[layout][model][key], value), (model, key)
 
