@@ -259,6 +259,30 @@ def collectives() -> dict:
     return result
 
 
+class _Output:
+    """A plain object as a model's output (not a tuple, dict or dataclass): FSDP2 finds no tensor in it."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+class _PlainOutputNet(TinyNet):
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(super().forward(x).square().mean())
+
+
+def plain_output_object() -> dict:
+    """FSDP2 over a model whose output is a plain object: its gradients must equal one process's."""
+    torch.manual_seed(0)
+    model = torchacc.accelerate(_PlainOutputNet(), config=gpt2_config(fsdp=2, dist__fsdp__wrap_layer_cls={"Block"}))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    try:
+        model(x).loss.backward()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None, "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
 def fsdp_suite() -> dict:
     """Everything checked at 2 ranks, in one launch."""
     return {
@@ -277,6 +301,7 @@ def fsdp_suite() -> dict:
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),
         "memory_report": report_scenarios.fsdp_reports(),
+        "plain_output": plain_output_object(),
     }
 
 
