@@ -1,7 +1,8 @@
 """The parity matrix's families, layouts and runs (test_matrix.py holds what each cell must give).
 
-``run_layout`` runs inside each rank of one launch per layout (see tests/_launch.py) and trains every
-family in every init variant; ``reference`` trains one unsharded model in the pytest process.
+``run_layouts`` runs inside each rank of one launch per world size (see tests/_launch.py) and trains every
+family in every init variant on every layout of that size; ``reference`` trains one unsharded model in the
+pytest process.
 
 A family is a tiny Hugging Face decoder (2 layers, hidden 64, 4 heads / 2 key-value heads, vocabulary
 128, dropout off), its FSDP unit and the TP plan the matrix uses. A layout is a world size and the config
@@ -273,13 +274,18 @@ def own_plan_refusal(family: str) -> str | None:
     return None
 
 
-def run_layout(layout: str) -> dict:
-    """Every family in every init variant on this rank; at TP 2 also the own plans the matrix does not use."""
-    cells = {(family, variant): train_cell(family, layout, variant) for family in FAMILIES for variant in VARIANTS}
-    own_plans = {}
-    if layout == "tp2":
-        own_plans = {name: own_plan_refusal(name) for name, spec in FAMILIES.items() if spec.tp_plan != "auto"}
-    return {"cells": cells, "own_plans": own_plans}
+def run_layouts(world_size: int | str) -> dict[str, dict]:
+    """Every layout of ``world_size`` ranks, each with every family in every init variant, on this rank (one launch
+    per world size: starting the ranks costs more than a layout's cells); at TP 2 also the own plans the matrix does
+    not use. Returns layout -> ``{"cells": {(family, variant): cell}, "own_plans": {family: message}}``."""
+    results = {}
+    for layout in (name for name, spec in LAYOUTS.items() if spec.world_size == int(world_size)):  # argv: a str
+        cells = {(family, variant): train_cell(family, layout, variant) for family in FAMILIES for variant in VARIANTS}
+        own_plans = {}
+        if layout == "tp2":
+            own_plans = {name: own_plan_refusal(name) for name, spec in FAMILIES.items() if spec.tp_plan != "auto"}
+        results[layout] = {"cells": cells, "own_plans": own_plans}
+    return results
 
 
 def reference(family: str, variant: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -2,8 +2,9 @@
 accelerate() refuses it up front with the same ValueError on every rank.
 
 ``CELLS`` below is the one statement of what each cell gives (docs/parity.md shows it, and a test keeps
-the two equal); matrix_scenarios.py builds the families and runs the layouts. One launch per layout runs
-every family in both init variants; one test per cell and variant reads it, so a failure names its cell.
+the two equal); matrix_scenarios.py builds the families and runs the layouts. One launch per world size runs
+every layout of that size, each with every family in both init variants; one test per cell and variant reads
+it, so a failure names its cell.
 The one-process references run here, once per family and variant, shared by every layout.
 
 A cell that a known defect breaks today is ``xfail(strict=True)``: when the fix lands, the cell passes,
@@ -75,7 +76,7 @@ PP_LAYOUT = Refused(
     r"dist\.pp\.size > 1 splits Hugging Face decoder-only models .* GPT2LMHeadModel \(blocks in 'transformer\.h'\) "
     r"lacks its blocks in a list named 'layers', an embed_tokens embedding",
     "GPT-2's decoder (`wte` and `wpe`, blocks in `h`, `ln_f`) is not the `embed_tokens`, `layers`, final-norm "
-    "decoder the pipeline splits; its head is also tied to its embedding (see the next note)",
+    "decoder the pipeline splits (and its head is tied to its embedding): train it with FSDP or HSDP",
 )
 PP_TIED = Refused(
     r"dist\.pp: lm_head\.weight is tied to model\.embed_tokens\.weight, but the head lives on the last stage and "
@@ -124,7 +125,8 @@ def known_defects(layout: str, family: str, variant: str) -> list[Defect]:
 
 
 def _cases():
-    for layout in LAYOUTS:
+    # grouped by world size (one launch each), in the table's order within a group
+    for layout in sorted(LAYOUTS, key=lambda name: LAYOUTS[name].world_size):
         for family in FAMILIES:
             for variant in VARIANTS:
                 defects = known_defects(layout, family, variant)
@@ -134,24 +136,32 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """``launched(layout, part)``: each rank's ``part`` ("cells" or "own_plans") of one launch of ``layout``.
+    """``launched(layout, part)``: each rank's ``part`` ("cells" or "own_plans") of ``layout``.
 
-    The tests run layout by layout, so each layout launches once; only the current one keeps its cells.
+    One launch per world size runs every layout of that size; the tests run world size by world size, so each
+    size launches once, and only the current size keeps its cells.
     """
-    cache: dict[str, list[dict]] = {}
+    cache: dict[int, list[dict]] = {}
 
     def get(layout: str, part: str = "cells") -> list[dict]:
-        if part not in cache.get(layout, [{}])[0]:
-            for name, ranks in cache.items():
-                cache[name] = [{key: value for key, value in rank.items() if key != "cells"} for rank in ranks]
-            cache[layout] = launch(
-                f"{SCENARIOS}:run_layout",
-                LAYOUTS[layout].world_size,
-                tmp_path_factory.mktemp(layout),
-                args=(layout,),
-                timeout=600,
+        size = LAYOUTS[layout].world_size
+        if part not in cache.get(size, [{layout: {}}])[0][layout]:
+            for other, ranks in cache.items():
+                cache[other] = [
+                    {
+                        name: {key: value for key, value in parts.items() if key != "cells"}
+                        for name, parts in rank.items()
+                    }
+                    for rank in ranks
+                ]
+            cache[size] = launch(
+                f"{SCENARIOS}:run_layouts",
+                size,
+                tmp_path_factory.mktemp(f"ranks{size}"),
+                args=(size,),
+                timeout=1200,  # every layout of the size; a hang guard, not a budget
             )
-        return [rank[part] for rank in cache[layout]]
+        return [rank[layout][part] for rank in cache[size]]
 
     return get
 

@@ -184,11 +184,19 @@ def test_a_parameter_outside_the_parts_is_refused():
         _plan(model)
 
 
-# phi: its final norm is final_layernorm, and its decoder runs embed_dropout on inputs_embeds; gemma2: it soft-caps
-# the logits after the head; granite: it scales inputs_embeds in the decoder and the logits after the head
+# phi: its final norm is final_layernorm, and its decoder runs embed_dropout on inputs_embeds; gemma: its embedding
+# scales what it returns (untied: tied weights are refused); gemma2: it soft-caps the logits after the head;
+# granite: it scales inputs_embeds in the decoder and the logits after the head
 @pytest.mark.parametrize(
     ("kind", "overrides"),
-    [("llama", {}), ("qwen2", {}), ("phi", {}), ("gemma2", {"final_logit_softcapping": 1.0}), ("granite", {})],
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("phi", {}),
+        ("gemma", {"tie_word_embeddings": False}),
+        ("gemma2", {"final_logit_softcapping": 1.0, "tie_word_embeddings": False}),
+        ("granite", {}),
+    ],
 )
 def test_the_stages_chained_equal_the_whole_model_and_keep_its_names(kind, overrides):
     model = tiny_decoder(kind, seed=3, num_hidden_layers=4, **overrides)
