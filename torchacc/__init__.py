@@ -5,8 +5,11 @@ The public surface, by job:
 * configure: :class:`Config` and its sections (from code, a dict, YAML or the command line);
 * accelerate: :func:`accelerate` shards a model and splits a dataloader in one call;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
-* inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
-  :func:`accelerated_state` says what ``accelerate()`` did to a model (its layout, mesh, device);
+* inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model,
+  and its measured peak (:func:`track_memory` on the CPU); :func:`accelerated_state` says what ``accelerate()``
+  did to a model (its layout, mesh, device);
+* plan: :func:`estimate_memory` (a :class:`MemoryEstimate`) predicts a rank's memory for any world size, on
+  one CPU; ``torchacc plan`` picks the layout;
 * checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
   :func:`load_optim_state_dict` (keyed by names), :func:`consolidate` and :func:`reshard_checkpoint`
   (offline, streaming);
@@ -28,8 +31,10 @@ from .parallel.accelerate import accelerate
 from .parallel.accelerated import AcceleratedState, accelerated_state
 from .parallel.clip_grad import clip_grad_norm_
 from .parallel.memory_report import MemoryReport, memory_report
+from .parallel.memory_tracking import track_memory
 from .parallel.meta_init import init_empty_weights
 from .parallel.precision import GradScaler
+from .planning import MemoryEstimate, estimate_memory
 from .strategy import FSDP2Strategy
 
 __version__ = "0.1.0"
@@ -49,6 +54,9 @@ __all__ = [
     "init_empty_weights",
     "memory_report",
     "MemoryReport",
+    "track_memory",
+    "estimate_memory",
+    "MemoryEstimate",
     "GradScaler",
     "clip_grad_norm_",
     "FSDP2Strategy",

@@ -2,7 +2,8 @@
 
 Layers, lowest first; a module imports only from its own layer or below (``torchacc/__init__.py`` and
 the public face ``torchacc.dist`` sit on top and may import anything):
-``_utils`` < ``distributed`` < ``config`` < ``data``, ``parallel``, ``checkpoint`` < ``strategy`` < ``cli``.
+``_utils`` < ``distributed`` < ``config`` < ``data``, ``parallel``, ``checkpoint`` < ``strategy``, ``planning``
+< ``cli``.
 """
 
 import ast
@@ -20,6 +21,7 @@ LAYERS = {
     "parallel": 3,
     "checkpoint": 3,
     "strategy": 4,
+    "planning": 4,
     "cli": 5,
     "__main__": 5,
 }
@@ -32,6 +34,7 @@ PUBLIC = {
         "accelerate", "init_empty_weights", "GradScaler", "clip_grad_norm_", "FSDP2Strategy", "save", "load",
         "optim_state_dict", "load_optim_state_dict", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
         "resume_latest", "consolidate", "reshard_checkpoint", "export_hf", "dist", "memory_report", "MemoryReport",
+        "track_memory", "estimate_memory", "MemoryEstimate",
     ],
     "torchacc.dist": [
         "init_distributed", "rank", "world_size", "local_rank", "local_world_size", "is_master_ordinal", "device",
