@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate
 from .checkpoint.offline.reshard import reshard_checkpoint
+from .planning.command import add_plan_command, run_plan
 
 __all__ = ["main"]
 
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         help="do not fsync the output files (faster; after a power cut, re-run); not with --format hf",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_plan_command(sub)
     return parser
 
 
@@ -111,6 +113,8 @@ def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, v
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0, or 1 after a one-line error on stderr)."""
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return run_plan(args)
     try:
         for path in _consolidate(args):
             print(path)

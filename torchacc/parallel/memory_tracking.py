@@ -8,6 +8,13 @@ which FSDP2 uses to free and re-allocate unsharded parameters outside the dispat
 step (``torchacc.estimate_memory``): fake tensors have storages of the right size and no data, so the trace of a
 fake step is the trace of the real one. ``record=True`` also keeps the event log (which storage grew or shrank by
 how much, and in which phase of the step) from which the planner reads each phase's peak and its make-up.
+
+[Note: shape propagation] To know the shape of an operation's output, DTensor runs the operation on fake tensors
+of the global shapes: under a fake mode of its own in a real run, under the active one in a fake step. Those are
+no memory of the step and are not counted (``_quiet``). A tracker that counts them (torch's ``FSDPMemTracker``
+does, in a fake step) sees a foreach AdamW step, which derives the shapes of all parameters at once, hold several
+times the global optimizer state; measured here, a foreach step holds one temporary as large as the rank's
+parameter shards, in a fake step and a real one alike.
 """
 
 import contextlib
@@ -21,6 +28,7 @@ import torch
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -50,6 +58,8 @@ class LiveBytes(TorchDispatchMode):
         self._next_key = 0
         self._fake_on_entry: Any = None
         self._resize: Any = None
+        self._propagate: Any = None
+        self._quiet = 0  # > 0 while DTensor derives output shapes (no memory of the step)
 
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.block_bytes) * self.block_bytes
@@ -119,10 +129,22 @@ class LiveBytes(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        propagate_original = self._propagate
+
+        def propagate(propagator: ShardingPropagator, *args: Any, **kwargs: Any) -> Any:
+            self._quiet += 1
+            try:
+                return propagate_original(propagator, *args, **kwargs)
+            finally:
+                self._quiet -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate  # type: ignore[method-assign]
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -132,8 +154,8 @@ class LiveBytes(TorchDispatchMode):
             result = args[0]  # its fake kernel returns a new tensor; the real one returns its input
         else:
             result = func(*args, **(kwargs or {}))
-        # DTensor's sharding propagation runs ops under a fake mode of its own: not memory of this step
-        if active_fake_mode() is self._fake_on_entry:
+        # see [Note: shape propagation]
+        if not self._quiet and active_fake_mode() is self._fake_on_entry:
             self.track(result)
         return result
 

@@ -21,9 +21,9 @@ from ..distributed.fake import fake_process_group
 from ..parallel.layout import Layout
 from ..parallel.memory_report import format_bytes
 from .models import ModelSource, build_meta_model
-from .trace import PHASES, BatchFn, Breakdown, StepTrace, trace_step
+from .trace import BatchFn, Breakdown, Held, StepTrace, trace_step
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_from_trace"]
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_from_peaks", "trace_layout"]
 
 _CUDA_BLOCK = 512
 
@@ -129,7 +129,8 @@ def estimate_memory(
     meta = build_meta_model(model)
     trace = trace_layout(meta, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, optimizer=optimizer,
                          batch_fn=batch_fn)  # fmt: skip
-    return estimate_from_trace(trace, layout, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    peaks = trace.device_peaks if layout.offload_params else trace.peaks
+    return estimate_from_peaks(peaks, trace.held, layout, micro_batch_size=micro_batch_size, seq_len=seq_len)
 
 
 def trace_layout(model: nn.Module, layout: Layout, **step: object) -> StepTrace:
@@ -144,22 +145,20 @@ def trace_layout(model: nn.Module, layout: Layout, **step: object) -> StepTrace:
         torch.set_rng_state(rng)
 
 
-def estimate_from_trace(
-    trace: StepTrace, layout: Layout, *, micro_batch_size: int, seq_len: int, peaks: dict[str, Breakdown] | None = None
+def estimate_from_peaks(
+    peaks: dict[str, Breakdown], held: Held, layout: Layout, *, micro_batch_size: int, seq_len: int
 ) -> MemoryEstimate:
-    """The estimate a trace (or the planner's extrapolated ``peaks``) gives for ``layout``."""
-    report = trace.report
-    if peaks is None:
-        peaks = {phase: trace.device_peaks[phase] for phase in PHASES} if layout.offload_params else trace.peaks
+    """The estimate for ``layout`` from each phase's peak (``StepTrace.device_peaks`` with CPU offload) and the
+    held state."""
     if layout.offload_params:  # the optimizer step runs on the host; the device holds what is not state
         candidates = {p: b.total - b.state for p, b in peaks.items() if p != "optimizer"}
     else:
         candidates = {p: b.total for p, b in peaks.items()}
     phase = max(candidates, key=lambda p: candidates[p])
     return MemoryEstimate(
-        parameters=report.parameters.held_bytes,
-        gradients=report.gradients.held_bytes,
-        optimizer_state=report.optimizer_state.held_bytes,
+        parameters=held.parameters,
+        gradients=held.gradients,
+        optimizer_state=held.optimizer_state,
         activations=peaks[phase].activations,
         peak=candidates[phase],
         layout=layout.dims.describe(),

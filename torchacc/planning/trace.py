@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.optim.optimizer import _get_scalar_dtype
 
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
@@ -30,7 +31,7 @@ from ..parallel.memory_report import MemoryReport, memory_report
 from ..parallel.memory_tracking import LiveBytes
 from ..parallel.plan import plan_model
 
-__all__ = ["Breakdown", "StepTrace", "trace_step", "causal_lm_batch", "PHASES"]
+__all__ = ["Breakdown", "Held", "StepTrace", "trace_step", "causal_lm_batch", "PHASES"]
 
 PHASES = ("forward", "backward", "optimizer")
 BatchFn = Callable[[int, int], Mapping[str, Any] | tuple]
@@ -63,15 +64,44 @@ class Breakdown:
 
 
 @dataclass(frozen=True)
+class Held:
+    """The state one rank holds, in bytes (``memory_report``'s held bytes)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+
+@dataclass(frozen=True)
 class StepTrace:
     """One fake step of rank 0."""
 
     report: MemoryReport
     """``memory_report`` of the fake model and optimizer after the step: the exact held bytes."""
-    peaks: dict[str, Breakdown]
-    """Each phase's peak."""
-    device_peaks: dict[str, Breakdown]
-    """Each phase's peak of ``total - state``: the device's with CPU offload."""
+    frontiers: dict[str, list[Breakdown]]
+    """For each phase, the moments no other moment beats in both gradients and ``total - state``: whatever
+    weight the state gets (see ``peak``), the phase's peak is one of them."""
+
+    @property
+    def held(self) -> Held:
+        report = self.report
+        return Held(report.parameters.held_bytes, report.gradients.held_bytes, report.optimizer_state.held_bytes)
+
+    def peak(self, phase: str, *, gradient_weight: float = 1.0, offload: bool = False) -> Breakdown:
+        """The phase's peak: the moment of most ``total - state + gradient_weight * gradients`` (parameters and
+        optimizer state are constant in a step), or of most ``total - state`` with ``offload``."""
+        weight = 0.0 if offload else gradient_weight
+        return max(self.frontiers[phase], key=lambda b: b.total - b.state + weight * b.gradients)
+
+    @property
+    def peaks(self) -> dict[str, Breakdown]:
+        """Each phase's peak."""
+        return {phase: self.peak(phase) for phase in self.frontiers}
+
+    @property
+    def device_peaks(self) -> dict[str, Breakdown]:
+        """Each phase's peak of ``total - state``: the device's with CPU offload."""
+        return {phase: self.peak(phase, offload=True) for phase in self.frontiers}
 
 
 def causal_lm_batch(model: nn.Module) -> BatchFn:
@@ -103,6 +133,7 @@ def trace_step(
     optimizer: str = "adamw",
     batch_fn: BatchFn | None = None,
     block_bytes: int = 1,
+    optimizer_step: bool = True,
 ) -> StepTrace:
     """Lay ``model`` (meta) out with the engine and run one fake step; call it inside a fake process group.
 
@@ -114,6 +145,7 @@ def trace_step(
         optimizer: "adamw" (the only one so far).
         batch_fn: ``(micro_batch_size, seq_len) -> inputs``; the default feeds a causal LM (``causal_lm_batch``).
         block_bytes: round each storage up to this (512 for CUDA's caching allocator).
+        optimizer_step: False stops after the backward (the trace then has no "optimizer" phase).
     """
     if optimizer != "adamw":
         raise ValueError(f"optimizer={optimizer!r} is not supported; use 'adamw'")
@@ -126,10 +158,12 @@ def trace_step(
         model.to_empty(device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         adamw = torch.optim.AdamW(params, lr=1e-4, foreach=block_bytes > 1)
-        for param in params:  # the state exists in every step but the first
-            param.grad = torch.zeros_like(param)
-        adamw.step()
-        adamw.zero_grad(set_to_none=True)
+        for param in params:  # the state of every step but the first, as AdamW's _init_group makes it
+            adamw.state[param] = {
+                "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
         batch = make_batch(micro_batch_size, seq_len)
         live = LiveBytes(record=True, block_bytes=block_bytes)
         state_keys = live.track(adamw.state)
@@ -140,15 +174,15 @@ def trace_step(
             loss = _loss(model(*batch) if isinstance(batch, tuple) else model(**batch))
             live.mark("backward")
             loss.backward()
-            live.mark("optimizer")
-            adamw.step()
+            if optimizer_step:
+                live.mark("optimizer")
+                adamw.step()
         report = memory_report(model, adamw)
         grad_keys = live.keys([p.grad for p in model.parameters() if p.grad is not None])
         unsharded_keys = live.keys(_unsharded_params(model))
     categories = {"parameters": param_keys, "optimizer_state": state_keys, "gradients": grad_keys}
     categories["unsharded"] = unsharded_keys
-    peaks, device_peaks = _replay(live, categories)
-    return StepTrace(report, peaks, device_peaks)
+    return StepTrace(report, _replay(live, categories))
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -175,34 +209,34 @@ def _unsharded_params(model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
-def _replay(live: LiveBytes, categories: dict[str, set[int]]) -> tuple[dict[str, Breakdown], dict[str, Breakdown]]:
-    """Each phase's peak and peak of ``total - state``, with their make-up, from the event log."""
+def _replay(live: LiveBytes, categories: dict[str, set[int]]) -> dict[str, list[Breakdown]]:
+    """Each phase's frontier (see ``StepTrace.frontiers``), with the make-up of each moment, from the event log."""
     category = {key: name for name, keys in categories.items() for key in keys}
-    sizes: dict[int, int] = {}
     sums = dict.fromkeys(["parameters", "gradients", "optimizer_state", "activations", "unsharded", "other"], 0)
     starts = {name: index for index, name in live.phases if name}
     saved = _saved_by_forward(live, starts, category)
     boundaries = sorted((index, name) for index, name in live.phases)
-    peaks: dict[str, Breakdown] = {}
-    device_peaks: dict[str, Breakdown] = {}
+    best: dict[str, dict[int, Breakdown]] = {phase: {} for phase in PHASES if phase in starts}
     total, phase, next_boundary = 0, "", 0
     for index, (key, delta) in enumerate(live.events):
         while next_boundary < len(boundaries) and boundaries[next_boundary][0] <= index:
             phase = boundaries[next_boundary][1]
             next_boundary += 1
-        sizes[key] = sizes.get(key, 0) + delta
         name = category.get(key) or ("activations" if key in saved else "other")
         sums[name] += delta
         total += delta
-        if phase not in PHASES:
-            continue
-        state = sums["parameters"] + sums["gradients"] + sums["optimizer_state"]
-        if total > peaks.get(phase, Breakdown()).total:
-            peaks[phase] = Breakdown(total=total, **sums)
-        best = device_peaks.get(phase)
-        if best is None or total - state > best.total - best.state:
-            device_peaks[phase] = Breakdown(total=total, **sums)
-    return peaks, device_peaks
+        if phase in best:
+            top = best[phase].get(sums["gradients"])
+            if top is None or total > top.total:
+                best[phase][sums["gradients"]] = Breakdown(total=total, **sums)
+    frontiers = {}
+    for phase, by_gradients in best.items():
+        kept: list[Breakdown] = []
+        for moment in sorted(by_gradients.values(), key=lambda b: -b.gradients):  # most gradients first
+            if not kept or moment.total - moment.state > kept[-1].total - kept[-1].state:
+                kept.append(moment)
+        frontiers[phase] = kept
+    return frontiers
 
 
 def _saved_by_forward(live: LiveBytes, starts: dict[str, int], category: dict[int, str]) -> set[int]:
