@@ -6,6 +6,7 @@ the ranks' results with a single-process reference computed in the pytest proces
 
 import itertools
 
+import plan_scenarios
 import report_scenarios
 import torch
 import torch.distributed as dist
@@ -236,6 +237,7 @@ def fsdp_suite() -> dict:
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),
         "memory_report": report_scenarios.fsdp_reports(),
+        "plan_oracle": plan_scenarios.oracle_two(),
     }
 
 
@@ -249,6 +251,7 @@ def hsdp_suite() -> dict:
         "meta_hsdp_rank_seeds": meta_init_state(fsdp=2, dp=2, rank_seeds=True),
         "meta_fsdp2_tp2_rank_seeds": meta_init_state(fsdp=2, tp=2, rank_seeds=True),
         "memory_report": report_scenarios.hsdp_reports(),
+        "plan_oracle": plan_scenarios.oracle_four(),
     }
 
 

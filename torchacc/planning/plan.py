@@ -9,6 +9,7 @@ the cost model (see [Note: cost model] in costs.py).
 import copy
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -16,7 +17,7 @@ import torch.nn as nn
 from ..config import Config
 from ..parallel.layout import Layout
 from ..parallel.plan import plan_model
-from .candidates import Candidate, Cluster, enumerate_candidates
+from .candidates import AXES, Candidate, Choice, Cluster, enumerate_candidates
 from .costs import Hardware, ModelShape, StepCost, step_cost
 from .estimate import MemoryEstimate, estimate_from_peaks
 from .models import ModelSource, build_meta_model, find_blocks
@@ -113,6 +114,7 @@ def plan_layouts(
     bf16: bool = False,
     optimizer: str = "adamw",
     num_workers: int | None = None,
+    axes: Sequence[Callable[[Cluster], list[Choice]]] | None = None,
 ) -> Plan:
     """Try every candidate layout of ``model`` on ``cluster``; see the module docstring.
 
@@ -127,6 +129,7 @@ def plan_layouts(
         bf16: ``compute.bf16`` for the default config.
         optimizer: "adamw".
         num_workers: processes for the fake steps (forked; default: the CPUs this process may use, at most 4).
+        axes: the candidate axes (default ``candidates.AXES``; see [Note: candidate axes]).
 
     Returns:
         A ``Plan``: ``layouts`` sorted by tokens per second per GPU (those that fit first), ``refused`` with the
@@ -137,7 +140,7 @@ def plan_layouts(
         num_workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     meta = build_meta_model(model)
     base = config if config is not None else default_config(meta, bf16=bf16)
-    candidates = enumerate_candidates(cluster)
+    candidates = enumerate_candidates(cluster, axes=tuple(AXES if axes is None else axes))
     valid, refused = _resolve(meta, base, candidates, cluster.num_gpus)
     classes = tuple({type(m) for m in meta.modules() if type(m).__name__ in base.dist.fsdp.wrap_layer_cls})
     shape = model_shape(meta, classes)

@@ -24,6 +24,7 @@ fake steps and real runs.
 """
 
 import multiprocessing
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -138,7 +139,10 @@ def trace_depths(
     results = []
     rng = torch.get_rng_state()
     try:
-        with fake_process_group(world_size=world.pop()):  # one world: DTensor's caches serve every trace in it
+        # one world: DTensor's caches serve every trace in it; the warnings of the real run (once per trace
+        # here) would bury the plan: estimate_memory, which runs one step, shows them
+        with fake_process_group(world_size=world.pop()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             for layout, depths, optimizer_step in jobs:
                 cut = {d: with_num_blocks(model, classes, d) for d in depths}
                 results.append({d: trace_step(cut[d], layout, optimizer_step=optimizer_step, **step) for d in depths})

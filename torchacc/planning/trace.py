@@ -6,13 +6,15 @@ through ``plan_model`` and ``shard_model`` (the dry run: see [Note: dry run] in 
 gets its state, and one step runs (forward, backward, optimizer step) while ``LiveBytes`` logs every storage
 that grows or shrinks (see [Note: live bytes] in parallel/memory_tracking.py). Rank 0 is the busiest rank: FSDP2
 and TP split a dimension like ``torch.chunk``, whose first pieces are the largest. Replaying the log gives, for
-each phase, the peak and what it is made of, and the peak of what stays on the device when the sharded state
-lives in host memory (CPU offload, which the trace cannot run on a CPU).
+each phase, the moments that can be its peak (``StepTrace.frontiers``) and what each is made of: the peak itself,
+the peak of what stays on the device when the sharded state lives in host memory (CPU offload, which the trace
+cannot run on a CPU), and the peak of a job whose state differs from the traced one (the planner's).
 
 AdamW runs with ``foreach=True`` for a CUDA plan (torch's default there) and ``False`` for a CPU one (torch's
-default there). The two hold the same state; ``foreach`` adds, during the step, one temporary as large as this
-rank's parameters (``torch._foreach_sqrt`` of the second moments, for all parameters at once), where the
-per-parameter loop needs two of the largest parameter only.
+default there), and for TP without FSDP, whose mix of DTensor and plain parameters foreach refuses. The two hold
+the same state; ``foreach`` adds, during the step, one temporary as large as this rank's parameters
+(``torch._foreach_sqrt`` of the second moments, for all parameters at once), where the per-parameter loop needs
+three as large as the largest parameter (measured in a real and a fake step alike; tests/unit/test_planning.py).
 """
 
 from collections.abc import Callable, Mapping
@@ -23,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..parallel.engine import shard_model
@@ -157,7 +160,10 @@ def trace_step(
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=device)
         params = [p for p in model.parameters() if p.requires_grad]
-        adamw = torch.optim.AdamW(params, lr=1e-4, foreach=block_bytes > 1)
+        # torch's foreach kernels refuse a mix of DTensor and plain parameters (TP without FSDP keeps norms
+        # whole): such a job needs AdamW(foreach=False) on CUDA too, so that is what is traced
+        uniform = len({isinstance(p, DTensor) for p in params}) <= 1
+        adamw = torch.optim.AdamW(params, lr=1e-4, foreach=block_bytes > 1 and uniform)
         for param in params:  # the state of every step but the first, as AdamW's _init_group makes it
             adamw.state[param] = {
                 "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
