@@ -239,14 +239,13 @@ def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def _live_cpu_tensors() -> list[torch.Tensor]:
-    """Every real CPU tensor alive in this process (the garbage collector knows them all)."""
+    """Every real CPU tensor alive in this process (the garbage collector knows them all), subclasses unwrapped."""
     found = []
     for obj in gc.get_objects():
         kind = type(obj)  # not isinstance: that reads __class__, which some proxies compute
         if issubclass(kind, torch.Tensor) and not issubclass(kind, FakeTensor):
             with contextlib.suppress(Exception):  # a tensor without storage (a functional wrapper) is no memory
-                if issubclass(kind, DTensor) or obj.device.type == "cpu":
-                    found.append(obj)
+                found += [t for t in _plain_tensors(obj) if not isinstance(t, FakeTensor) and t.device.type == "cpu"]
     return found
 
 

@@ -131,9 +131,10 @@ def format_plan(plan: Plan, *, model_name: str = "the model") -> str:
     else:
         lines.append(f"No layout fits in {format_bytes(hw.usable_bytes)} per GPU: use more GPUs, a shorter --seq-len "
                      "or a smaller --micro-batch.")  # fmt: skip
-    too_big = [row for row in plan.layouts if not row.fits]
+    too_big = sorted((row for row in plan.layouts if not row.fits), key=lambda row: row.estimate.peak)
     if too_big:
-        lines += ["", f"{len(too_big)} layouts do not fit (peak per GPU over {format_bytes(hw.usable_bytes)}):"]
+        lines += ["", f"{len(too_big)} layouts do not fit (peak per GPU over {format_bytes(hw.usable_bytes)}), "
+                      "closest first:"]  # fmt: skip
         lines += [f"- {row.candidate.label}: {format_bytes(row.estimate.peak)}" for row in too_big]
     if plan.refused:
         lines += ["", "Layouts that cannot exist (what accelerate() would raise):"]

@@ -166,7 +166,7 @@ def plan_layouts(
         cost = step_cost(shape, layout, hardware, micro_batch_size=micro_batch_size, seq_len=seq_len,
                          gpus_per_node=cluster.node_size)  # fmt: skip
         rows.append(PlannedLayout(candidate, cfg, estimate, cost, estimate.peak <= hardware.usable_bytes))
-    rows.sort(key=lambda row: (not row.fits, -row.cost.tokens_per_s, row.estimate.peak))
+    rows.sort(key=lambda row: (not row.fits, -round(row.cost.tokens_per_s), row.estimate.peak))  # ties: less memory
     return Plan(rows, refused, shape, cluster, hardware)
 
 

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
+from .._utils.tied import retie, tied_names
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.memory_report import MemoryReport, memory_report
@@ -157,8 +158,10 @@ def trace_step(
     mesh = layout.dims.build_mesh("cpu")  # a CPU mesh: a fake CUDA one would look for a device
     device = torch.device("cpu")
     shard_model(model, layout, plan, mesh=mesh, device=device, materialize=False)
+    aliases = tied_names(model.named_parameters(remove_duplicate=False))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=device)
+        retie(model, aliases)  # as the engine's materialize does: to_empty unties
         params = [p for p in model.parameters() if p.requires_grad]
         # torch's foreach kernels refuse a mix of DTensor and plain parameters (TP without FSDP keeps norms
         # whole): such a job needs AdamW(foreach=False) on CUDA too, so that is what is traced
