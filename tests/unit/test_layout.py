@@ -51,6 +51,10 @@ PUBLIC = {
     ],
     "torchacc.data": ["shard_dataloader", "ShardedDataLoader", "move_to_device"],
     "torchacc.strategy": ["FSDP2Strategy"],
+    "torchacc.planning": [
+        "estimate_memory", "MemoryEstimate", "plan_layouts", "Plan", "PlannedLayout", "Cluster", "Hardware", "AXES",
+        "Candidate", "Choice",
+    ],
     "torchacc.cli": ["main"],
 }  # fmt: skip
 
