@@ -21,6 +21,7 @@ from _models import SEQ, TinyNet, tiny_gpt2, tiny_llama
 import torchacc
 from torchacc.cli import main
 from torchacc.distributed.fake import fake_process_group
+from torchacc.parallel import memory_tracking
 from torchacc.parallel.layout import Layout
 from torchacc.parallel.memory_tracking import LiveBytes
 from torchacc.planning.candidates import Cluster, checkpointing_axis, parallel_axis
@@ -37,6 +38,13 @@ def llama_config(num_layers: int, **overrides):
     from transformers import LlamaConfig
 
     return LlamaConfig(num_hidden_layers=num_layers, **{**LLAMA, **overrides})
+
+
+@pytest.fixture(autouse=True)
+def _forget_tracked_peaks():
+    """memory_report reads the latest track_memory() block of the process: other test modules expect none."""
+    yield
+    memory_tracking._last = None
 
 
 def config_of(**settings) -> torchacc.Config:
