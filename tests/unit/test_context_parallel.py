@@ -8,7 +8,7 @@ from _models import TinyNet, tiny_decoder, tiny_llama
 import torchacc
 from torchacc.data.context import split_sequences
 from torchacc.distributed.mesh import context_parallel_rank, data_parallel_rank
-from torchacc.parallel.context import resolve_context_parallel
+from torchacc.parallel.context_plan import resolve_context_parallel
 from torchacc.parallel.layout import Layout
 from torchacc.parallel.plan import plan_model
 

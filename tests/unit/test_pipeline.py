@@ -13,7 +13,8 @@ from _models import TinyNet, tiny_decoder, tiny_llama
 import torchacc
 from torchacc.config import Config
 from torchacc.parallel.layout import Layout, ParallelDims
-from torchacc.parallel.pipeline import plan_pipeline, split_model
+from torchacc.parallel.pipeline import plan_pipeline
+from torchacc.parallel.pipeline_stages import split_model
 
 
 def _config(**pp) -> Config:

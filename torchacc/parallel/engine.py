@@ -52,7 +52,8 @@ from .init_from import load_weights
 from .layout import Layout
 from .memory_report import log_summary
 from .meta_init import materialize
-from .pipeline import restrict_tp_plan, split_model, whole_model_scope
+from .pipeline import restrict_tp_plan
+from .pipeline_stages import split_model, whole_model_scope
 from .pipeline_step import attach_pipeline
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision

@@ -18,7 +18,7 @@ one full parameter at a time.
 [Note: meta init under a pipeline] A pipeline rank holds only its stages, but a single process draws the
 random values of every tensor of the whole model, in the order of its module tree: skipping the other stages'
 draws would shift every later draw. So the own init runs over the whole tree: the engine passes a context
-(``whole_model_scope`` in pipeline.py) that puts the other stages' modules, still on the meta device, back in
+(``whole_model_scope`` in pipeline_stages.py) that puts the other stages' modules, still on the meta device, back in
 their places while the init runs, and ``_FullTensorRandom`` lets each random fill of a meta tensor draw into
 a temporary tensor of its shape on ``device`` that is thrown away, one tensor at a time. The generator then
 advances exactly as in one process, and this rank's tensors get one process's values; nothing of the other

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .layout import PipelineSchedule
-from .pipeline import StageModule
+from .pipeline_stages import StageModule
 
 __all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "train_step"]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .accelerated import accelerated_state
-from .context import CPPlan, resolve_context_parallel
+from .context_plan import CPPlan, resolve_context_parallel
 from .fsdp import check_units, is_wrapped, resolve_module_classes
 from .layout import Layout
 from .meta_init import check_materializable, has_meta_params
