@@ -278,11 +278,22 @@ def plain_output_object() -> dict:
     torch.manual_seed(0)
     model = torchacc.accelerate(_PlainOutputNet(), config=gpt2_config(fsdp=2, dist__fsdp__wrap_layer_cls={"Block"}))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(x)
+    sharded_after_eval = isinstance(model.head.weight, DTensor)  # no backward follows: the root frees its gather
     try:
-        model(x).loss.backward()
+        out = model(x)
+        gathered_for_backward = not isinstance(model.head.weight, DTensor)  # the root unit: head
+        out.loss.backward()
     except RuntimeError as exc:
         return {"error": str(exc)}
-    return {"error": None, "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+    return {
+        "error": None,
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "sharded_after_eval": sharded_after_eval,
+        "gathered_for_backward": gathered_for_backward,
+        "sharded_after_backward": isinstance(model.head.weight, DTensor),
+    }
 
 
 def fsdp_suite() -> dict:

@@ -49,6 +49,7 @@ from .activation_checkpoint import apply_activation_checkpointing
 from .context import apply_context_parallel
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
+from .kv_cache import train_without_kv_cache
 from .layout import Layout
 from .memory_report import log_summary
 from .meta_init import materialize
@@ -70,18 +71,22 @@ ParallelizeFn = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], nn.Modul
 def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:
     # The block's forward is compiled in place (not wrapped in an OptimizedModule): the module's
     # __call__, and so FSDP's pre/post-forward hooks, stay eager, and no "_orig_mod." enters any key.
-    hf_config = getattr(model, "config", None)
-    if getattr(hf_config, "use_cache", None) is True:
-        # Each block updates its own layer's KV-cache entry and dynamo guards on it, so every block
-        # recompiles; past torch._dynamo.config.recompile_limit the remaining blocks silently run eager.
-        hf_config.use_cache = False
-        warn_once(
-            "compute.compile=True set model.config.use_cache=False: a KV cache makes every compiled block "
-            "recompile during training; set it back to True before calling generate()"
-        )
     for module in model.modules():
         if module is not model and isinstance(module, tuple(classes)):
             module.forward = torch.compile(module.forward)
+
+
+def _train_without_kv_cache(model: nn.Module, layout: Layout, *, warn: bool) -> None:
+    """See [Note: no KV cache in a training forward] in kv_cache.py; one note when it changes anything."""
+    names = train_without_kv_cache(model)
+    if warn and any(model.get_submodule(name).config.use_cache for name in names):
+        why = ["memory.gc=True"] if layout.checkpointing is not None else []
+        why += ["compute.compile=True"] if layout.compile else []
+        warn_once(
+            f"{' and '.join(why)}: training forwards run with use_cache=False (no KV cache: checkpointed layers "
+            "would append their keys again when recomputed, compiled blocks would recompile); "
+            "model.config.use_cache is unchanged, so generate() and forwards under torch.no_grad() still use one"
+        )
 
 
 def shard_model(
@@ -142,6 +147,8 @@ def shard_model(
         )
     if layout.compile:
         _compile_blocks(model, plan.wrap_classes)
+    if (checkpointing is not None or layout.compile) and stages is None:  # the stages pass use_cache=False
+        _train_without_kv_cache(model, layout, warn=materialize)
     dtype = compute_dtype(layout.param_dtype, device=device) if materialize else layout.param_dtype
     if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
         dtype = mp_policy.param_dtype
