@@ -281,6 +281,7 @@ def hsdp_suite() -> dict:
         "meta_fsdp2_tp2_rank_seeds": meta_init_state(fsdp=2, tp=2, rank_seeds=True),
         "memory_report": report_scenarios.hsdp_reports(),
         "metrics": metrics_scenarios.hsdp_metrics(),
+        "metrics_fsdp_tp": metrics_scenarios.fsdp_tp_records(),
     }
 
 
