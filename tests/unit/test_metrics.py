@@ -1,6 +1,6 @@
 """Metrics in one process: the config rules, what is counted, the record's arithmetic, the sinks, metrics off,
 log_metrics/last_metrics and the CLI (``torchacc plot``, ``--version``). The 2-rank records and the TensorBoard
-and W&B read-backs are in tests/multiproc/test_metrics.py."""
+and W&B read-backs are in tests/multiproc/test_metrics_ranks.py."""
 
 import functools
 import gc
