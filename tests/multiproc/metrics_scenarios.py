@@ -186,7 +186,8 @@ def _layout_run(config: torchacc.Config, model: torch.nn.Module, dataset: list, 
         optimizer.zero_grad()
         if step % 2 == 0:
             seen["records"].append(torchacc.last_metrics())
-    seen["data_rank"] = torchacc.accelerated_state(model).layout.dims.data_parallel_rank(torchacc.dist.rank())
+    dims = torchacc.accelerated_state(model).layout.dims
+    seen["data_rank"], seen["num_data_ranks"] = dims.data_parallel_rank(torchacc.dist.rank()), dims.num_data_ranks
     close_metrics()
     return seen
 
@@ -207,16 +208,18 @@ def stage_grad_norm(model: torch.nn.Module) -> float:
     return float(squares.sqrt())
 
 
-def padded_dataset(num_samples: int = 16, length: int = SEQ - 1) -> list[dict[str, torch.Tensor]]:
-    """Samples of an odd length (context parallelism pads them) with right padding: sample ``i`` hides its last
-    ``i % 3`` positions from attention and loss."""
+def padded_dataset(num_samples: int = 16, length: int = SEQ - 1, *, masked: bool = True) -> list[dict]:
+    """Samples of an odd length (context parallelism pads them); ``masked``: with right padding, sample ``i``
+    hiding its last ``i % 3`` positions from attention and loss; else without an attention mask."""
     gen = torch.Generator().manual_seed(3)
     samples = []
     for i in range(num_samples):
         ids = torch.randint(0, VOCAB - 1, (length,), generator=gen)
-        mask = (torch.arange(length) < length - i % 3).long()
-        labels = torch.where(mask == 1, ids, torch.tensor(-100))
-        samples.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "index": torch.tensor(i)})
+        sample = {"input_ids": ids, "labels": ids, "index": torch.tensor(i)}
+        if masked:
+            mask = (torch.arange(length) < length - i % 3).long()
+            sample.update(attention_mask=mask, labels=torch.where(mask == 1, ids, torch.tensor(-100)))
+        samples.append(sample)
     return samples
 
 
@@ -244,6 +247,14 @@ def fsdp_tp_records() -> dict:
     return _layout_run(config, tiny_llama(seed=0), padded_dataset(length=SEQ), batch_size=2)
 
 
+def pp_fsdp_records() -> dict:
+    """PP 2 x FSDP 2 at 4 ranks (run from scenarios.hsdp_suite): 2 data-parallel ranks, each a pipeline."""
+    config = torchacc.Config()
+    config.dist.pp.size, config.dist.fsdp.size = 2, 2
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    return _layout_run(config, tiny_llama(seed=0, num_hidden_layers=4), token_dataset(32), batch_size=4)
+
+
 def strategy_layout(kind: str) -> dict:
     """FSDP2Strategy under PP 2 (2 accumulation steps, clipping: the record takes optimizer_step's norm) or CP 2
     (no clipping: the record's norm is the recorder's); 2 optimizer steps, one record."""
@@ -269,7 +280,7 @@ def strategy_layout(kind: str) -> dict:
     seen: dict = {"losses": [], "norms": [], "tokens": [], "positions": []}
     seen["num_params"] = sum(p.numel() for p in plain.parameters())
     seen["shape"] = (plain.config.num_hidden_layers, plain.config.hidden_size)
-    dataset = token_dataset(32) if pipelined else padded_dataset()
+    dataset = token_dataset(32) if pipelined else padded_dataset(masked=False)
     model = strategy.parallelize(plain)
     loader = strategy.process_dataloader(DataLoader(dataset, batch_size=micro))
     optimizer = strategy.create_optimizer(model, lr=1e-3)
@@ -287,7 +298,8 @@ def strategy_layout(kind: str) -> dict:
         seen["tokens"].append(int(mask.sum()))
         seen["positions"].append(int(mask.sum()) * mask.shape[1])
     seen["record"] = torchacc.last_metrics()
-    seen["data_rank"] = torchacc.accelerated_state(model).layout.dims.data_parallel_rank(torchacc.dist.rank())
+    dims = torchacc.accelerated_state(model).layout.dims
+    seen["data_rank"], seen["num_data_ranks"] = dims.data_parallel_rank(torchacc.dist.rank()), dims.num_data_ranks
     seen["accumulation_steps"] = strategy.accumulation_steps
     seen["lr"] = optimizer.param_groups[0]["lr"]
     close_metrics()

@@ -318,6 +318,7 @@ def hsdp_suite() -> dict:
         "memory_report": report_scenarios.hsdp_reports(),
         "metrics": metrics_scenarios.hsdp_metrics(),
         "metrics_fsdp_tp": metrics_scenarios.fsdp_tp_records(),
+        "metrics_pp_fsdp": metrics_scenarios.pp_fsdp_records(),
     }
 
 

@@ -58,7 +58,7 @@ def test_fsdp_records_match_a_hand_computation(ranks):
             assert record["grad_norm"] == seen[0]["norms"][3]
         assert record["lr"] == seen[0]["lrs"][last] == 1e-3 * 0.5**last
         assert 0 <= record["data_wait_seconds"] < record["step_seconds"]
-        assert record["memory_peak_bytes"] > 0 <= max(s["maxrss"] for s in seen)
+        assert 0 < record["memory_peak_bytes"] <= max(s["maxrss"] for s in seen)
         assert _close(record["memory_peak_fraction"], record["memory_peak_bytes"] / os.sysconf("SC_PHYS_PAGES") / 4096)
         assert record["rank_value"] == 0.0
     for key in ("step", "loss", "grad_norm", "lr", "memory_peak_bytes"):  # the same on every rank (not the clocks)
@@ -182,40 +182,54 @@ def test_hsdp_norm_sums_shards_not_replicas(four_ranks):
     assert _close(record["tokens_per_second"] * record["step_seconds"] * 2, 4 * 2 * 2 * SEQ)  # 4 data ranks
 
 
-def _check_record(
-    record: dict, seen: list[dict], batches: range, *, step: int, loss, grad_norm: float, lr: float
+# Under PP, CP, FSDP x TP and PP x FSDP each value is a test of its own (VALUES), checked against a hand
+# computation from what each rank saw; "rest" holds the keys, step, lr, memory, data wait and the agreement of
+# the ranks.
+VALUES = ("loss", "tokens_per_second", "mfu", "grad_norm", "rest")
+
+
+def _check_value(
+    value: str, record: dict, seen: list[dict], batches: range, *, step: int, loss, grad_norm: float, lr: float
 ) -> None:
-    """Every key of ``record`` (optimizer step ``step``, over the batches ``batches`` since the previous record)
-    against a hand computation from what each rank saw: ``loss(seen_of_a_rank)``, the logged step's loss, averaged
-    over the data-parallel ranks, the tokens and the
-    attention's token positions of each data-parallel rank's whole sequences counted once, 6 x the whole model's
-    parameters per token, the norm of the gathered gradients of all stages."""
+    """One value of ``record`` (optimizer step ``step``, over the batches ``batches`` since the previous record,
+    2 optimizer steps) against the hand computation: ``loss(seen_of_a_rank)``, the logged step's loss, averaged
+    over the data-parallel ranks; the tokens and the attention's token positions of each data-parallel rank's
+    whole sequences, counted once; 6 x the whole model's parameters per token; ``grad_norm``, the norm of the
+    gathered gradients of all stages (or the clip's own return)."""
     from torchacc.metrics import KEYS
 
-    assert list(record) == list(KEYS), f"missing: {set(KEYS) - set(record)}"
     data_ranks = list({s["data_rank"]: s for s in seen}.values())  # one rank per data-parallel rank
-    assert record["step"] == step
-    assert _close(record["loss"], sum(loss(s) for s in data_ranks) / len(data_ranks), 1e-6)
+    assert len(data_ranks) == seen[0]["num_data_ranks"]
     tokens = sum(s["tokens"][i] for s in data_ranks for i in batches)
     positions = sum(s["positions"][i] for s in data_ranks for i in batches)
     seconds = record["step_seconds"] * 2  # every record here is of 2 optimizer steps
-    assert _close(record["tokens_per_second"] * seconds, tokens)
-    assert _close(record["tokens_per_second_per_device"], record["tokens_per_second"] / len(seen))
-    layers, width = seen[0]["shape"]
-    flops = 6 * seen[0]["num_params"] * tokens + 12 * layers * width * positions
-    assert _close(record["mfu"], flops / (seconds * len(seen) * 1e12))
-    assert 0 <= record["data_wait_seconds"] < record["step_seconds"]
-    assert record["memory_peak_bytes"] > 0
-    assert _close(record["memory_peak_fraction"], record["memory_peak_bytes"] / os.sysconf("SC_PHYS_PAGES") / 4096)
-    assert _close(record["grad_norm"], grad_norm, 1e-12)
-    assert record["lr"] == lr
+    if value == "loss":
+        assert "loss" in record, record
+        assert _close(record["loss"], sum(loss(s) for s in data_ranks) / len(data_ranks), 1e-6)
+    elif value == "tokens_per_second":
+        assert _close(record["tokens_per_second"] * seconds, tokens)
+        assert _close(record["tokens_per_second_per_device"], record["tokens_per_second"] / len(seen))
+    elif value == "mfu":
+        layers, width = seen[0]["shape"]
+        flops = 6 * seen[0]["num_params"] * tokens + 12 * layers * width * positions
+        assert _close(record["mfu"], flops / (seconds * len(seen) * 1e12))
+    elif value == "grad_norm":
+        assert _close(record["grad_norm"], grad_norm, 1e-12)
+    else:
+        assert list(record) == list(KEYS), f"missing: {set(KEYS) - set(record)}"
+        assert record["step"] == step and record["lr"] == lr
+        assert 0 <= record["data_wait_seconds"] < record["step_seconds"]
+        assert record["memory_peak_bytes"] > 0
+        fraction = record["memory_peak_bytes"] / os.sysconf("SC_PHYS_PAGES") / os.sysconf("SC_PAGE_SIZE")
+        assert _close(record["memory_peak_fraction"], fraction)
 
 
-def _check_layout(seen: list[dict]) -> None:
+def _check_layout(value: str, seen: list[dict]) -> None:
     """The two records of ``metrics_scenarios._layout_run``: step 2 clipped, step 4 not."""
     for index, record in enumerate(seen[0]["records"]):
         step = 2 * (index + 1)
-        _check_record(
+        _check_value(
+            value,
             record,
             seen,
             range(step - 2, step),
@@ -224,40 +238,46 @@ def _check_layout(seen: list[dict]) -> None:
             grad_norm=seen[0]["norms"][step],
             lr=1e-3,
         )
-    assert seen[0]["records"][0]["grad_norm"] == seen[0]["norms"][2]  # the clip's own return, not recomputed
-    assert not _close(seen[0]["eval_loss"], seen[0]["losses"][3], 1e-3)  # the evaluation before step 4 differs
-    for key in ("step", "loss", "grad_norm", "lr", "memory_peak_bytes"):
-        assert all([r[key] for r in s["records"]] == [r[key] for r in seen[0]["records"]] for s in seen)
+    if value == "loss":  # the evaluation forward before step 4 (gradients enabled) had another loss
+        assert not _close(seen[0]["eval_loss"], seen[0]["losses"][3], 1e-3)
+    if value == "grad_norm":
+        assert seen[0]["records"][0]["grad_norm"] == seen[0]["norms"][2]  # the clip's own return, not recomputed
+    if value == "rest":
+        for key in ("step", "loss", "grad_norm", "lr", "memory_peak_bytes"):  # the same on every rank
+            assert all([r[key] for r in s["records"]] == [r[key] for r in seen[0]["records"]] for s in seen)
 
 
-def test_pp_records_count_every_stage_and_the_train_step_loss(ranks):
-    """PP 2: the loss is train_step's (an evaluation forward is none), MFU counts both stages' parameters, the
-    tokens of the batch the stages share count once, the norm covers both stages."""
-    _, results = ranks
-    _check_layout([r["pp"] for r in results])
-
-
-def test_cp_records_count_each_sequence_once_at_its_whole_length(ranks):
-    """CP 2: each rank holds a chunk of every (padded) sequence; tokens count once, without the padding, and the
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("layout", ["pp", "cp"])
+def test_pp_and_cp_records(ranks, layout, value):
+    """PP 2 (1F1B, 2 microbatches): the loss is train_step's (an evaluation forward is none), MFU counts both
+    stages' parameters, the batch the stages share counts once, the norm covers both stages. CP 2: each rank holds
+    a chunk of every (odd-length, so padded) sequence; its tokens count once, without the padding, and the
     attention term of MFU is that of the whole sequence."""
     _, results = ranks
-    _check_layout([r["cp"] for r in results])
+    _check_layout(value, [r[layout] for r in results])
 
 
-def test_fsdp_x_tp_records(four_ranks):
-    """FSDP 2 x TP 2: the grad norm equals clip_grad_norm_'s and the gathered gradients'; 2 data-parallel ranks."""
-    _check_layout([r["metrics_fsdp_tp"] for r in four_ranks])
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("layout", ["metrics_fsdp_tp", "metrics_pp_fsdp"])
+def test_four_rank_layout_records(four_ranks, layout, value):
+    """FSDP 2 x TP 2 and PP 2 x FSDP 2 at 4 ranks: 2 data-parallel ranks, whose losses are averaged; the grad norm
+    equals clip_grad_norm_'s and the gathered gradients' (over both stages)."""
+    _check_layout(value, [r[layout] for r in four_ranks])
 
 
+@pytest.mark.parametrize("value", VALUES)
 @pytest.mark.parametrize("kind", ["pp", "cp"])
-def test_strategy_records_under_pp_and_cp(ranks, kind):
+def test_strategy_records_under_pp_and_cp(ranks, kind, value):
     """FSDP2Strategy: under PP 2 with 2 accumulation steps the loss is the mean of the micro-batches' and the norm
-    optimizer_step's; under CP 2 the norm is the recorder's (no clipping)."""
+    optimizer_step's; under CP 2 (sequences of odd length without an attention mask: the input ids count, not
+    the padding) the norm is the recorder's (no clipping)."""
     _, results = ranks
     seen = [r[f"strategy_{kind}"] for r in results]
     accumulation = seen[0]["accumulation_steps"]
     assert accumulation == (2 if kind == "pp" else 1)
-    _check_record(
+    _check_value(
+        value,
         seen[0]["record"],
         seen,
         range(2 * accumulation),

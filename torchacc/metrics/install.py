@@ -3,9 +3,10 @@
 ``install_metrics`` (called by ``accelerate()`` and ``FSDP2Strategy`` once the model is sharded) attaches:
 
 * a forward hook on the root module that keeps the output's ``.loss`` (a tensor, not read) once a backward
-  runs through it, and a forward pre-hook that starts the clock at the first forward; a pipelined model's
-  forward only evaluates, so its loss is the one ``torchacc.train_step`` returns (``PipelineRuntime.step``,
-  wrapped);
+  runs through it, and a forward pre-hook that starts the clock at the first forward. A pipelined model's
+  forward only evaluates (the schedule calls its stages), so the clock starts at its stages' first forward and
+  the loss is the one ``torchacc.train_step`` returns (``PipelineRuntime.register_step_hook``: the pipeline's
+  loss, the same on every rank of the pipeline);
 * the loader's observer (``ShardedDataLoader.observe``): tokens of each host batch and the wait for it;
 * two process-wide optimizer hooks (``register_optimizer_step_pre_hook``/``post_hook``), registered once
   while any model is watched and removed with the last one: the first optimizer that steps the model's
@@ -45,7 +46,7 @@ class _Watch:
 
     recorder: Recorder
     sinks: Sinks | None
-    handles: list[Any]  # each has .remove()
+    handles: list[RemovableHandle]
     finalizer: Any = None
     optimizer: Any = None  # a weakref to the optimizer that steps the model's parameters
     foreign: "weakref.WeakSet[torch.optim.Optimizer]" = field(default_factory=weakref.WeakSet)
@@ -132,17 +133,20 @@ def install_metrics(
         params,
         every=every,
         device=state.device,
-        num_ranks_per_batch=dims.tp * dims.cp * dims.pp,  # see [Note: counting tokens] in counting.py
+        num_ranks_per_batch=dims.world_size // dims.num_data_ranks,  # see [Note: counting tokens] in counting.py
         flops_per_token=6.0 * num_trainable,
         attention_flops=12.0 * shape[0] * shape[1] if shape else 0.0,
         peak_flops=peak,
         write=opened.write if opened is not None else _drop,
     )
-    handles: list[Any] = [model.register_forward_pre_hook(lambda *_: recorder.start())]
     if pipeline is None:
-        handles.append(model.register_forward_hook(_loss_hook(recorder)))
-    else:  # a pipelined model's forward only evaluates: its training loss is train_step's
-        handles.append(_StepLosses(pipeline, recorder))
+        handles = [
+            model.register_forward_pre_hook(lambda *_: recorder.start()),
+            model.register_forward_hook(_loss_hook(recorder)),
+        ]
+    else:  # the schedule calls the stages, not the model, whose forward only evaluates: the loss is train_step's
+        handles = [stage.register_forward_pre_hook(lambda *_: recorder.start()) for stage in pipeline.stage_modules]
+        handles.append(pipeline.register_step_hook(recorder.add_loss))
     watch = _Watch(recorder, opened, handles)
     watch.finalizer = weakref.finalize(model, _remove, id(model))
     _live[id(model)] = watch
@@ -235,28 +239,6 @@ def _loss_hook(recorder: Recorder) -> Any:
             loss.register_hook(lambda grad: recorder.add_loss(value))
 
     return keep_loss
-
-
-class _StepLosses:
-    """Keeps the loss of every ``train_step`` of a pipelined model: its ``PipelineRuntime.step``, wrapped on the
-    instance (the only call that runs its training forward), until ``remove()``."""
-
-    def __init__(self, pipeline: Any, recorder: Recorder) -> None:
-        self.pipeline = pipeline
-        step = pipeline.step
-
-        def step_and_keep_loss(batch: Any, **kwargs: Any) -> torch.Tensor:
-            recorder.start()
-            loss = step(batch, **kwargs)
-            recorder.add_loss(loss)  # the batch's loss, the same on every rank of the pipeline; not read here
-            return loss
-
-        self.wrapper = step_and_keep_loss
-        pipeline.step = step_and_keep_loss
-
-    def remove(self) -> None:
-        if vars(self.pipeline).get("step") is self.wrapper:
-            del self.pipeline.step
 
 
 def _sum_over(group: Any, count: int) -> int:

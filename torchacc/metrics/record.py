@@ -57,8 +57,8 @@ def make_record(
         step: the optimizer steps taken so far.
         num_steps: the steps since the last record.
         seconds: the wall time since the last record.
-        num_ranks_per_batch: the ranks that read the same batches and count them alike: one tensor-parallel group x
-            one context-parallel group x one pipeline (``tp x cp x pp``).
+        num_ranks_per_batch: the ranks that read the same batches and count them alike: the world size over the
+            data-parallel ranks (``tp x cp x pp``; see [Note: counting tokens] in counting.py).
         flops_per_token: ``6 x`` the trainable parameters.
         attention_flops: the attention FLOPs per token and unit of sequence length (``12 x layers x width``).
         peak_flops: one device's peak FLOP/s, or None (no MFU).
