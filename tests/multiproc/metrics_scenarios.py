@@ -1,4 +1,5 @@
-"""Metrics inside each rank (see tests/_launch.py); test_metrics.py checks the records against a hand computation.
+"""Metrics inside each rank (see tests/_launch.py); test_metrics_ranks.py checks the records against a hand
+computation.
 
 Each scenario returns what the hand computation needs (the losses, tokens, learning rates and gradient norms
 the rank saw) next to the records ``torchacc.last_metrics()`` gave after each logged step.

@@ -1,8 +1,9 @@
 """Metrics records on 2 ranks against a hand computation, and every sink read back with its own reader.
 
 One launch runs every scenario of metrics_scenarios.py: FSDP with every sink, TP (the ranks of a TP group
-count their shared batches once) and FSDP2Strategy with gradient accumulation. HSDP runs in the shared 4-rank
-launch (``four_ranks``, conftest.py). The gradient norms are checked against the norm of the gathered gradients.
+count their shared batches once), FSDP2Strategy with gradient accumulation, and PP 2 and CP 2 through
+``train_step`` and through the strategy. HSDP, FSDP 2 x TP 2 and PP 2 x FSDP 2 run in the shared 4-rank launch
+(``four_ranks``, conftest.py). The gradient norms are checked against the norm of the gathered gradients.
 """
 
 import json
