@@ -7,6 +7,7 @@ the ranks' results with a single-process reference computed in the pytest proces
 import itertools
 
 import metrics_scenarios
+import plan_scenarios
 import report_scenarios
 import torch
 import torch.distributed as dist
@@ -303,6 +304,7 @@ def fsdp_suite() -> dict:
         "sync": sync_states(),
         "memory_report": report_scenarios.fsdp_reports(),
         "plain_output": plain_output_object(),
+        "plan_oracle": plan_scenarios.oracle_two(),
     }
 
 
@@ -319,6 +321,7 @@ def hsdp_suite() -> dict:
         "metrics": metrics_scenarios.hsdp_metrics(),
         "metrics_fsdp_tp": metrics_scenarios.fsdp_tp_records(),
         "metrics_pp_fsdp": metrics_scenarios.pp_fsdp_records(),
+        "plan_oracle": plan_scenarios.oracle_four(),
     }
 
 
