@@ -123,7 +123,7 @@ def shard_model(
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
-    stages, whole_model = None, None
+    stages = pipeline = whole_model = None
     if plan.pp is not None and layout.pipeline is not None:  # see [Note: pipeline stages] in pipeline.py
         pipe = pp_submesh(mesh)
         local = range(pipe.get_local_rank(), plan.pp.num_stages, layout.dims.pp)
@@ -131,7 +131,7 @@ def shard_model(
             whole_model = whole_model_scope(model, plan.pp)
         stages = split_model(model, plan.pp, stages=local)
         buffers = {name: b for name, b in buffers.items() if name in dict(model.named_buffers())}
-        attach_pipeline(model, stages, schedule=layout.pipeline, group=pipe.get_group(), device=device)
+        pipeline = attach_pipeline(model, stages, schedule=layout.pipeline, group=pipe.get_group(), device=device)
     tp_mesh = tp_submesh(mesh)
     if tp_mesh is not None:
         sync_rng(tp_mesh, device=device)  # see [Note: one random stream per TP group] in tp_rng.py
@@ -217,7 +217,7 @@ def shard_model(
     model.get_shard_metadata = MethodType(get_shard_metadata, model)
     model.load_state_dict = MethodType(load_state_dict, model)
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
-    record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id))
+    record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id, pipeline))
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
     return model
 
