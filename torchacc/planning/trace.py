@@ -29,11 +29,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from .._utils.tied import retie, tied_names
+from ..parallel.context import sequence_split
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.memory_report import MemoryReport, memory_report
 from ..parallel.memory_tracking import LiveBytes
 from ..parallel.plan import plan_model
+from .stage_step import StageStep
 
 __all__ = ["Breakdown", "Held", "StepTrace", "trace_step", "causal_lm_batch", "PHASES"]
 
@@ -159,6 +161,7 @@ def trace_step(
     device = torch.device("cpu")
     shard_model(model, layout, plan, mesh=mesh, device=device, materialize=False)
     aliases = tied_names(model.named_parameters(remove_duplicate=False))
+    split = sequence_split(layout, _fake_rank())  # outside the fake mode: it reads the rank grid
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=device)
         retie(model, aliases)  # as the engine's materialize does: to_empty unties
@@ -173,16 +176,23 @@ def trace_step(
                 "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
             }
-        batch = make_batch(micro_batch_size, seq_len)
+        pipeline = layout.pipeline
+        batch = make_batch(micro_batch_size * (pipeline.microbatches if pipeline else 1), seq_len)
+        if split is not None:  # what the loader gives this rank: its chunk of every sequence
+            batch = split(batch)
+        stage_step = StageStep(model, layout, batch) if pipeline is not None else None
         live = LiveBytes(record=True, block_bytes=block_bytes)
         state_keys = live.track(adamw.state)
         param_keys = live.track(list(model.parameters()))
-        live.track(list(model.buffers()), batch)
+        live.track(list(model.buffers()), batch, stage_step.tensors if stage_step else [])
         with live:
             live.mark("forward")
-            loss = _loss(model(*batch) if isinstance(batch, tuple) else model(**batch))
-            live.mark("backward")
-            loss.backward()
+            if stage_step is not None:
+                stage_step.run(live)
+            else:
+                loss = _loss(model(*batch) if isinstance(batch, tuple) else model(**batch))
+                live.mark("backward")
+                loss.backward()
             if optimizer_step:
                 live.mark("optimizer")
                 adamw.step()
@@ -192,6 +202,10 @@ def trace_step(
     categories = {"parameters": param_keys, "optimizer_state": state_keys, "gradients": grad_keys}
     categories["unsharded"] = unsharded_keys
     return StepTrace(report, _replay(live, categories))
+
+
+def _fake_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _loss(output: Any) -> torch.Tensor:
