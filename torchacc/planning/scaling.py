@@ -55,8 +55,8 @@ __all__ = [
 
 FIRST_DEPTH = 2
 CP_FIRST_DEPTH = 3
-"""Context parallelism's backward peak grows from 2 to 3 blocks by more than a block (its all-to-all buffers
-overlap the next block's once there is one in between), then by a block each: its traces start at 3 blocks."""
+"""Context parallelism's backward peak grows from 2 to 3 blocks by more than a block (measured on the width-64
+test model; why is not identified), then by a block each: its traces start at 3 blocks."""
 
 
 def depths_for(num_blocks: int, interval: int = 1, *, first_depth: int = FIRST_DEPTH) -> tuple[int, ...]:
