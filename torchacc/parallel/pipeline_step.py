@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .layout import PipelineSchedule
 from .pipeline import StageModule
 
-__all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "train_step"]
+__all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "pipeline_runtime", "train_step"]
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, PipelineRuntime]" = weakref.WeakKeyDictionary()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -194,6 +194,11 @@ def attach_pipeline(
     _RUNTIMES[model] = runtime
     model.forward = _PipelinedForward(runtime)
     return runtime
+
+
+def pipeline_runtime(model: nn.Module) -> PipelineRuntime | None:
+    """The stages, schedule and group of a pipelined model (the planner traces them), or None."""
+    return _RUNTIMES.get(model)
 
 
 def is_pipelined(model: nn.Module) -> bool:

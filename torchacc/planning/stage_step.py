@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ..parallel.layout import Layout
 from ..parallel.memory_tracking import LiveBytes
-from ..parallel.pipeline_step import _RUNTIMES, PipelineRuntime
+from ..parallel.pipeline_step import pipeline_runtime
 
 __all__ = ["StageStep", "stage_actions"]
 
@@ -66,7 +66,7 @@ class StageStep:
     """
 
     def __init__(self, model: nn.Module, layout: Layout, batch: Mapping[str, Any]) -> None:
-        runtime: PipelineRuntime | None = _RUNTIMES.get(model)
+        runtime = pipeline_runtime(model)
         if runtime is None or layout.pipeline is None:
             raise AssertionError("StageStep traces a model the engine laid out with dist.pp.size > 1")
         self.model, self.runtime = model, runtime
