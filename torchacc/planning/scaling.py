@@ -16,6 +16,9 @@ small:
   whether FSDP runs at all, not on how many ranks shard or replicate: it is traced once per (FSDP on, TP size,
   checkpointing) on the smallest job of that shape (2 shards), and the traced state is replaced by the real.
 
+A pipeline is traced per stage (its first and last, at 2 and 3 blocks per stage: ``stage_blocks``,
+``cut_blocks``), and carried to the stage's real number of blocks the same way.
+
 Checkpointing 1 block in k is not traced: its per-block increments are those of the checkpointed and plain
 blocks (traced for "every block" and "none"), counted as the engine applies them (``matches[::k]``), and its
 constant part is that of the kind of the last block, which the backward meets first. CPU offload is read from

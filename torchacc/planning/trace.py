@@ -8,7 +8,10 @@ that grows or shrinks (see [Note: live bytes] in parallel/memory_tracking.py). R
 and TP split a dimension like ``torch.chunk``, whose first pieces are the largest. Replaying the log gives, for
 each phase, the moments that can be its peak (``StepTrace.frontiers``) and what each is made of: the peak itself,
 the peak of what stays on the device when the sharded state lives in host memory (CPU offload, which the trace
-cannot run on a CPU), and the peak of a job whose state differs from the traced one (the planner's).
+cannot run on a CPU), and the peak of a job whose state differs from the traced one (the planner's). A
+context-parallel rank is fed what the loader gives it (its chunk of every sequence, ``sequence_split``); a
+pipeline stage runs its part of the schedule instead of ``model(**batch)`` (see [Note: fake pipeline step] in
+stage_step.py), traced as the rank the caller's fake group names.
 
 AdamW runs with ``foreach=True`` for a CUDA plan (torch's default there) and ``False`` for a CPU one (torch's
 default there), and for TP without FSDP, whose mix of DTensor and plain parameters foreach refuses. The two hold
