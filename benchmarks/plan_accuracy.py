@@ -2,7 +2,8 @@
 
 Run (from the repository root)::
 
-    .venv/bin/python benchmarks/plan_accuracy.py            # 10 configurations at 2 and 4 ranks (~5 min loaded)
+    .venv/bin/python benchmarks/plan_accuracy.py            # 14 configurations at 2 and 4 ranks (~15 min loaded)
+    .venv/bin/python benchmarks/plan_accuracy.py --only "llama pp=2" "llama cp=2"   # some of them
     .venv/bin/python benchmarks/plan_accuracy.py --quick    # smoke run: one tiny configuration at 2 ranks
     .venv/bin/python benchmarks/plan_accuracy.py --scale    # torchacc plan: Llama-3-70B shape on 512 GPUs, timed
 
@@ -51,6 +52,16 @@ CONFIGS = {
         4,
         {"dist.fsdp.size": 4, "memory.gc": True, "memory.gc_interval": 2, "compute.bf16": True},
     ),  # fmt: skip
+    # context parallelism and pipelines (a pipeline's batch: `batch` sequences per microbatch, one per stage);
+    # the pipelines last: a pipelined model's memory is partly freed only during the next configuration
+    "llama cp=2": ("llama", 2, {"dist.cp.size": 2, "dist.fsdp.size": 1}),
+    "llama fsdp=2 x cp=2 AC": ("llama", 4, {"dist.cp.size": 2, "dist.fsdp.size": 2, "memory.gc": True}),
+    "llama pp=2": ("llama", 2, {"dist.pp.size": 2, "dist.fsdp.size": 1}),
+    "llama pp=2 x fsdp=2 AC bf16": (
+        "llama",
+        4,
+        {"dist.pp.size": 2, "dist.fsdp.size": 2, "memory.gc": True, "compute.bf16": True},
+    ),  # fmt: skip
 }
 QUICK = ("llama tp=2",)
 SHAPE = {"layers": 6, "hidden": 256, "heads": 8, "vocab": 8192, "seq": 256, "batch": 2}
@@ -91,6 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import torchacc
+    from torchacc.data.context import split_sequences
 
     torchacc.dist.init_distributed()
     shape = QUICK_SHAPE if args.quick else SHAPE
@@ -100,19 +112,23 @@ def worker(args: argparse.Namespace) -> None:
         model = torchacc.accelerate(AutoModelForCausalLM.from_config(hf_config(kind, shape)),
                                     config=build_config(kind, settings))  # fmt: skip
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]))
-        model(input_ids=ids, labels=ids).loss.backward()
+        pp, cp = settings.get("dist.pp.size", 1), settings.get("dist.cp.size", 1)
+        ids = torch.randint(0, shape["vocab"], (shape["batch"] * pp, shape["seq"]))
+        batch = {"input_ids": ids, "labels": ids}
+        if cp > 1:  # what the loader gives a CP rank: its chunk of every sequence
+            batch = split_sequences(batch, rank=torchacc.dist.rank() % cp, size=cp)
+        torchacc.train_step(model, batch)
         optimizer.step()
         optimizer.zero_grad()
         gc.collect()
         with torchacc.track_memory():
-            model(input_ids=ids, labels=ids).loss.backward()
+            torchacc.train_step(model, batch)
             optimizer.step()
         report = torchacc.memory_report(model, optimizer)
-        if torchacc.dist.rank() == 0:
-            emit_result({"name": name, "parameters": report.parameters.held_bytes,
-                         "gradients": report.gradients.held_bytes, "optimizer_state": report.optimizer_state.held_bytes,
-                         "peak": report.peak_bytes})  # fmt: skip
+        # every rank reports: the estimate of a pipeline speaks for its busiest stage's first rank
+        emit_result({"name": name, "rank": torchacc.dist.rank(), "parameters": report.parameters.held_bytes,
+                     "gradients": report.gradients.held_bytes, "optimizer_state": report.optimizer_state.held_bytes,
+                     "peak": report.peak_bytes})  # fmt: skip
         del model, optimizer
         gc.collect()
     torchacc.dist.teardown()
@@ -135,7 +151,7 @@ def planner_peak(kind: str, world: int, settings: dict, shape: dict) -> Any:
 def accuracy(args: argparse.Namespace) -> None:
     import torchacc
 
-    names = list(QUICK if args.quick else CONFIGS)
+    names = list(QUICK if args.quick else args.only or CONFIGS)
     shape = QUICK_SHAPE if args.quick else SHAPE
     real: dict[str, dict] = {}
     for world in (2, 4):
@@ -143,7 +159,7 @@ def accuracy(args: argparse.Namespace) -> None:
         if mine:
             for result in run_torchrun(__file__, ["--worker", *(["--quick"] if args.quick else []), "--names", *mine],
                                        nproc=world, timeout=1800):  # fmt: skip
-                real[result["name"]] = result
+                real[(result["name"], result["rank"])] = result
     rows, scaled_rows = [], []
     for name in names:
         kind, world, settings = CONFIGS[name]
@@ -151,16 +167,18 @@ def accuracy(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         cpu = torchacc.estimate_memory(hf_config(kind, shape), config, world_size=world, device_type="cpu", **step)
         seconds = time.perf_counter() - start
-        measured = real[name]
+        measured = real[(name, cpu.rank)]
         exact = all(getattr(cpu, k) == measured[k] for k in ("parameters", "gradients", "optimizer_state"))
-        rows.append([name, world, _mib(measured["peak"]), _mib(cpu.peak), f"{cpu.peak / measured['peak'] - 1:+.1%}",
-                     "yes" if exact else "NO", f"{seconds:.1f}"])  # fmt: skip
+        busiest = max(r["peak"] for (n, _), r in real.items() if n == name)
+        rows.append([name, world, cpu.rank, _mib(measured["peak"]), _mib(cpu.peak),
+                     f"{cpu.peak / measured['peak'] - 1:+.1%}", "yes" if exact else "NO",
+                     "yes" if measured["peak"] == busiest else f"NO ({_mib(busiest)})", f"{seconds:.1f}"])  # fmt: skip
         full = torchacc.estimate_memory(hf_config(kind, shape), config, world_size=world, **step)
         scaled = planner_peak(kind, world, settings, shape)
         scaled_rows.append([name, _mib(full.peak), _mib(scaled.peak), f"{scaled.peak / full.peak - 1:+.1%}"])
     print(f"### Estimate against a real step (rank 0, CPU/gloo; {shape})\n")
-    print(markdown_table(["config", "ranks", "measured peak MiB", "estimated peak MiB", "error",
-                          "params, grads, optimizer exact", "estimate s"], rows))  # fmt: skip
+    print(markdown_table(["config", "ranks", "rank", "measured peak MiB", "estimated peak MiB", "error",
+                          "params, grads, optimizer exact", "busiest rank", "estimate s"], rows))  # fmt: skip
     print("\n### The planner's per-block scaling against a full fake step (CUDA plan)\n")
     print(markdown_table(["config", "full fake step MiB", "planner (scaled) MiB", "difference"], scaled_rows))
     print(f"\n{json.dumps(machine_summary())}")
@@ -217,6 +235,7 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="torchacc plan for a Llama-3-70B shape on 512 GPUs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--names", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", default=[], choices=list(CONFIGS), help="these configurations only")
     args = parser.parse_args()
     if args.worker:
         worker(args)

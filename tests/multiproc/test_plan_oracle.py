@@ -1,10 +1,11 @@
 """``torchacc.estimate_memory`` against real gloo runs of the same config and model (the estimate's oracle).
 
 The ranks of the shared ``two_ranks`` and ``four_ranks`` launches (conftest.py) run plan_scenarios.py: every
-configuration trained for real (FSDP, TP, FSDP with activation checkpointing in bf16 at 2 ranks; HSDP, FSDP x TP
-with AC at 4 ranks; GPT-2 and Llama shapes), and the estimates computed inside the same processes while their
-real process group is alive. Parameter, gradient and optimizer bytes must be equal,
-on every rank the estimate speaks for (rank 0, the busiest); the estimated peak must be within 10% of the peak
+configuration trained for real (FSDP, TP, FSDP with activation checkpointing in bf16, CP 2 and PP 2 at 2 ranks;
+HSDP, FSDP x TP with AC at 4 ranks; GPT-2 and Llama shapes), and the estimates computed inside the same processes
+while their real process group is alive. Parameter, gradient and optimizer bytes must be equal on the rank the
+estimate speaks for (rank 0, the busiest; with a pipeline, the first rank of its busiest stage, above which no
+rank of the pipeline may peak by more than 10%), and the estimated peak must be within 10% of the peak
 ``track_memory`` measured (benchmarks/plan_accuracy.py records the figures on larger shapes).
 """
 
@@ -17,17 +18,22 @@ def _check(results: list[dict], names: list[str]) -> None:
         assert result["plan_oracle"]["estimated"] == rank0["estimated"]
     assert sorted(rank0["estimated"]) == sorted(names)
     for name in names:
-        measured, estimated = rank0["measured"][name], rank0["estimated"][name]
+        estimated = rank0["estimated"][name]
+        # the rank the estimate speaks for: 0, or a pipeline's busiest stage's first rank
+        measured = results[estimated["rank"]]["plan_oracle"]["measured"][name]
         for key in ("parameters", "gradients", "optimizer_state"):
             assert estimated[key] == measured[key], (name, key, estimated, measured)
         assert estimated["peak"] == pytest.approx(measured["peak"], rel=0.10), (name, estimated, measured)
-        for result in results[1:]:  # rank 0 holds the most (torch.chunk's first pieces are the largest)
+        for result in results:  # the busiest rank holds the most (torch.chunk's first pieces are the largest)
             other = result["plan_oracle"]["measured"][name]
-            assert other["parameters"] <= measured["parameters"], (name, other, measured)
+            if "pp" not in name:  # the stages hold different blocks: no order between them
+                assert other["parameters"] <= measured["parameters"], (name, other, measured)
+            else:  # the estimate picked the busiest stage
+                assert other["peak"] <= measured["peak"] * 1.10, (name, other, measured)
 
 
 def test_estimates_equal_two_real_ranks(two_ranks):
-    _check(two_ranks, ["gpt2_fsdp", "llama_tp", "llama_fsdp_ac_bf16"])
+    _check(two_ranks, ["gpt2_fsdp", "llama_tp", "llama_fsdp_ac_bf16", "llama_pp", "llama_cp"])
 
 
 def test_estimates_equal_four_real_ranks(four_ranks):

@@ -277,3 +277,108 @@ def test_sizes_and_clusters_that_cannot_be():
         Cluster(num_gpus=8, ac_interval=1)
     with pytest.raises(ValueError, match=r"micro_batch_size must be an int >= 1, got 0"):
         torchacc.estimate_memory(TinyNet(), config_of(), world_size=1, micro_batch_size=0, seq_len=8)
+
+
+# --- pipeline and context parallelism -------------------------------------------------------------------------
+
+
+def test_stage_actions_follow_the_schedules():
+    from torchacc.planning.stage_step import stage_actions
+
+    # 1F1B: stage s runs min(M, S - s) forwards before its first backward, then one backward, one forward
+    assert stage_actions("1F1B", stage=0, num_stages=2, microbatches=4) == [
+        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]  # fmt: skip
+    assert stage_actions("1F1B", stage=1, num_stages=2, microbatches=2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert stage_actions("GPipe", stage=1, num_stages=2, microbatches=2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def test_pipeline_and_context_layouts_are_candidates():
+    from torchacc.planning.candidates import CP_MIN_SEQ_LEN, enumerate_candidates, layout_axis, worth_trying
+
+    labels = [choice.label for choice in layout_axis(Cluster(num_gpus=64, gpus_per_node=8))]
+    # stages over nodes (8 nodes: 2 and 4 stages, max_pp), CP inside a node
+    assert {"pp=2 x fsdp=32", "pp=4 x fsdp=16"} <= set(labels)
+    assert {"fsdp=32 x cp=2", "fsdp=16 x cp=4", "fsdp=8 x cp=8"} <= set(labels)
+    assert not any(label.startswith("pp=8") for label in labels)
+    deeper = [choice.label for choice in layout_axis(Cluster(num_gpus=64, gpus_per_node=8, max_pp=16))]
+    assert "pp=8 x fsdp=8" in deeper and not any(label.startswith("pp=16") for label in deeper)  # 8 nodes
+    (cp,) = [c for c in enumerate_candidates(Cluster(num_gpus=16), axes=[layout_axis]) if c.label == "fsdp=8 x cp=2"]
+    assert not worth_trying(cp, seq_len=CP_MIN_SEQ_LEN - 1) and worth_trying(cp, seq_len=CP_MIN_SEQ_LEN)
+
+
+def _cost(**settings):
+    from torchacc.planning.costs import Hardware, ModelShape, step_cost
+
+    # the Llama-style model of benchmarks/README.md's PP and CP sections: 4 blocks of width 512, 8 heads, 4 KV heads
+    shape = ModelShape(num_params=20_200_000, num_block_params=4 * 3_000_000, num_blocks=4, hidden_size=512,
+                       vocab_size=8192, num_heads=8, num_kv_heads=4)  # fmt: skip
+    step = settings.pop("step")
+    layout = Layout.from_config(config_of(**settings), world_size=4 if "dist__pp__size" in settings else 2,
+                                device_type="cuda")  # fmt: skip
+    return step_cost(shape, layout, Hardware(), gpus_per_node=8, **step)
+
+
+def test_pipeline_costs_its_bubble_and_its_boundary_bytes():
+    from torchacc.planning.costs import Hardware
+
+    # PP 4, 4 microbatches of 2 x 128 tokens: benchmarks/README.md measured 4.2 MB sent by a middle stage per step
+    cost = _cost(dist__pp__size=4, dist__fsdp__size=1, step={"micro_batch_size": 2, "seq_len": 128})
+    assert cost.pp_s * Hardware().intra_node_bandwidth == 2 * 4 * (2 * 128 * 512 * 4)  # 4.19 MB
+    assert cost.bubble == pytest.approx(3 / 7)  # (S - 1) / (M + S - 1)
+    assert cost.step_s == pytest.approx((max(cost.compute_s, cost.fsdp_s) + cost.pp_s) / (1 - 3 / 7))
+    more = _cost(dist__pp__size=4, dist__fsdp__size=1, dist__pp__microbatches=8,
+                 step={"micro_batch_size": 1, "seq_len": 128})  # fmt: skip
+    assert more.bubble == pytest.approx(3 / 11)
+
+
+def test_context_parallelism_costs_its_all_to_alls():
+    from torchacc.planning.costs import Hardware
+
+    # CP 2 at seq 2048, one sequence: benchmarks/README.md measured 25.2 MB of all-to-alls per rank and step
+    cost = _cost(dist__cp__size=2, dist__fsdp__size=1, step={"micro_batch_size": 1, "seq_len": 2048})
+    assert cost.cp_s * Hardware().intra_node_bandwidth == pytest.approx(2 * (2 * 8 + 2 * 4) * 1024 * 64 * 4 / 2 * 4)
+    assert cost.cp_s * Hardware().intra_node_bandwidth / 1e6 == pytest.approx(25.2, abs=0.05)
+    plain = _cost(dist__fsdp__size=2, step={"micro_batch_size": 1, "seq_len": 2048})
+    assert cost.compute_s == pytest.approx(plain.compute_s / 2)  # each CP rank computes half the tokens
+
+
+def test_pipeline_estimate_speaks_for_the_busiest_stage():
+    # a large vocabulary: the last stage (the head, every microbatch's logits) is the busiest
+    model = llama_config(4, vocab_size=4096)
+    config = config_of(dist__pp__size=2, dist__fsdp__size=1)
+    found = torchacc.estimate_memory(model, config, world_size=2, micro_batch_size=1, seq_len=SEQ, device_type="cpu")
+    assert found.rank == 1 and found.layout == "pp=2"
+    assert str(found).startswith("rank 1 of 2, pp=2")
+    # the last stage holds two blocks, the norm and the head, float32
+    block = 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128 + 2 * 64)
+    assert found.parameters == 2 * block + 4 * (64 + 4096 * 64)
+
+
+def test_planner_pipeline_and_context_rows_match_full_fake_steps():
+    from torchacc.planning.candidates import context_layouts, pipeline_layouts
+
+    axes = [lambda c: pipeline_layouts(c)[:1] + context_layouts(c)[:1], lambda c: checkpointing_axis(c)[:2]]
+    plan = plan_layouts(llama_config(5), cluster=Cluster(num_gpus=4, gpus_per_node=4), micro_batch_size=2,
+                        seq_len=SEQ, axes=axes, num_workers=1)  # fmt: skip
+    assert sorted(row.candidate.label for row in plan.layouts) == [
+        "fsdp=2 x cp=2", "fsdp=2 x cp=2, AC every block", "pp=2 x fsdp=2", "pp=2 x fsdp=2, AC every block"]  # fmt: skip
+    for row in plan.layouts:
+        full = torchacc.estimate_memory(llama_config(5), row.config, world_size=4, micro_batch_size=2, seq_len=SEQ)
+        scaled = row.estimate
+        assert (scaled.rank, scaled.parameters, scaled.gradients, scaled.optimizer_state) == (
+            full.rank, full.parameters, full.gradients, full.optimizer_state), row.candidate.label  # fmt: skip
+        assert scaled.peak == pytest.approx(full.peak, rel=0.05), row.candidate.label
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"dist__pp__size": 4, "dist__fsdp__size": 1}, r"has 2 block\(s\) in model.layers but the pipeline has 4"),
+        ({"dist__cp__size": 4, "dist__fsdp__size": 1}, r"dist.cp.size=4 does not divide num_key_value_heads=2"),
+        ({"dist__cp__size": 2, "dist__cp__method": "ring", "dist__fsdp__size": 2}, r"needs CUDA.*use dist.cp.method="),
+    ],
+)
+def test_pipeline_and_context_layouts_that_cannot_exist(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        torchacc.estimate_memory(lambda: tiny_llama(), config_of(**kwargs), world_size=4, micro_batch_size=1,
+                                 seq_len=8, device_type="cpu")  # fmt: skip

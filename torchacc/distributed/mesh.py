@@ -37,7 +37,9 @@ __all__ = [
 AXES = ("dp", "fsdp")
 TP_AXES = ("dp", "fsdp", "tp")
 ALL_AXES = ("pp", "dp", "fsdp", "cp", "tp")
-_SHARD_MESHES: "weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh]" = weakref.WeakKeyDictionary()
+# by identity: meshes of one shape compare equal whatever their groups, and one from a fake world (the planner's)
+# must not hand its groups to a real mesh, nor the other way round
+_SHARD_MESHES: dict[int, tuple["weakref.ref[DeviceMesh]", DeviceMesh]] = {}
 
 
 def _grid(sizes: dict[str, int], topology: Sequence[str]) -> torch.Tensor:
@@ -117,8 +119,8 @@ def fsdp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 def _cp_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     # See [Note: context-parallel mesh]. Cached: _unflatten builds new process groups at every call.
-    shard = _SHARD_MESHES.get(mesh)
-    if shard is None:
+    ref, shard = _SHARD_MESHES.get(id(mesh), (None, None))
+    if ref is None or ref() is not mesh or shard is None:
         names = mesh.mesh_dim_names or ()
         if "dp" in names and mesh["dp"].size() > 1:
             dp, fsdp_cp = mesh["dp"].size(), mesh["fsdp"].size() * mesh["cp"].size()
@@ -126,7 +128,8 @@ def _cp_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
             shard = flat._unflatten(0, (dp, fsdp_cp), ("dp", "fsdp_cp"))
         else:
             shard = mesh["fsdp", "cp"]._flatten("fsdp_cp")
-        _SHARD_MESHES[mesh] = shard
+        key = id(mesh)
+        _SHARD_MESHES[key] = (weakref.ref(mesh, lambda _: _SHARD_MESHES.pop(key, None)), shard)
     return shard
 
 

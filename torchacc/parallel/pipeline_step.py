@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from .layout import PipelineSchedule
 from .pipeline_stages import StageModule
 
-__all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "train_step"]
+__all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "pipeline_runtime", "train_step"]
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, PipelineRuntime]" = weakref.WeakKeyDictionary()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -207,6 +207,11 @@ def attach_pipeline(
     _RUNTIMES[model] = runtime
     model.forward = _PipelinedForward(runtime)
     return runtime
+
+
+def pipeline_runtime(model: nn.Module) -> PipelineRuntime | None:
+    """The stages, schedule and group of a pipelined model (the planner traces them), or None."""
+    return _RUNTIMES.get(model)
 
 
 def is_pipelined(model: nn.Module) -> bool:

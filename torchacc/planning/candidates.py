@@ -2,9 +2,24 @@
 
 [Note: candidate axes] Each axis is a function ``(Cluster) -> list[Choice]``; a choice is a label and the
 config settings (dotted paths) that make it. ``enumerate_candidates`` takes the product of the axes, so a new
-kind of parallelism is one more function in ``AXES`` (e.g. pipeline stages: ``[Choice("pp=4",
-{"dist.pp.size": 4}), ...]``) plus its costs in costs.py; nothing else changes. A candidate that
-``accelerate()`` would refuse is kept, with the refusal, for the table of layouts that cannot exist.
+independent setting is one more function in ``AXES``, plus its costs in costs.py. The parallel sizes are not
+independent of each other: they divide one GPU count (``pp * dp * fsdp * cp * tp = N``), so a pipeline of 4
+stages leaves each stage ``N / 4`` GPUs to shard over. They are therefore the choices of one axis,
+``layout_axis``: the FSDP / HSDP / TP layouts of ``parallel_axis`` over all GPUs, then the pipelines of
+``pipeline_layouts`` and the context-parallel layouts of ``context_layouts``, each choice fixing every size. A
+candidate that ``accelerate()`` would refuse is kept, with the refusal, for the table of layouts that cannot
+exist.
+
+[Note: which PP and CP layouts] Pipelines: ``pp`` = 2, 4 ... ``max_pp`` (4) stages, over nodes (``pp``
+divides the number of nodes, so a stage is one node or more and the stage boundaries cross nodes; on one node,
+stages within it), ``dist.pp.microbatches`` the default (one per stage, the fewest 1F1B takes), schedule 1F1B,
+FSDP over each stage's GPUs, and activation checkpointing of every block: the first stage holds the activations
+of ``pp`` microbatches at once, so a pipeline that fits without checkpointing is one whose unpipelined layouts
+fit too, and each pipeline the planner traces costs its stages' fake steps (a ``plan_layouts(axes=...)`` call
+can try the others). Context parallelism: ``cp`` = 2, 4 ... up to a node (a CP group exchanges every
+layer's attention inputs, so it stays on NVLink), FSDP over the rest, and only for sequences of at least
+``CP_MIN_SEQ_LEN`` tokens (``worth_trying``): below that, checkpointing keeps one sequence's activations small
+next to the sharded state, and CP only adds its all-to-alls to the same work per token.
 """
 
 import copy
@@ -14,7 +29,22 @@ from typing import Any
 
 from ..config import Config
 
-__all__ = ["AXES", "Candidate", "Choice", "Cluster", "enumerate_candidates", "parallel_axis"]
+__all__ = [
+    "AXES",
+    "CP_MIN_SEQ_LEN",
+    "Candidate",
+    "Choice",
+    "Cluster",
+    "context_layouts",
+    "enumerate_candidates",
+    "layout_axis",
+    "parallel_axis",
+    "pipeline_layouts",
+    "worth_trying",
+]
+
+CP_MIN_SEQ_LEN = 16384
+"""Context-parallel layouts are tried for sequences at least this long (see [Note: which PP and CP layouts])."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +55,8 @@ class Cluster:
     gpus_per_node: int = 8
     ac_interval: int = 2
     """The k of "activation checkpointing of 1 block in k"."""
+    max_pp: int = 4
+    """The most pipeline stages tried (each pipeline size costs the planner fake steps of its stages)."""
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.gpus_per_node < 1:
@@ -90,17 +122,65 @@ def _powers_of_two(limit: int) -> list[int]:
 def parallel_axis(cluster: Cluster) -> list[Choice]:
     """FSDP over all GPUs; HSDP with a shard group of 1, 2, 4 ... nodes; FSDP x TP with TP inside a node."""
     n, node = cluster.num_gpus, cluster.node_size
-    choices = [Choice(f"fsdp={n}", {"dist.fsdp.size": n, "dist.dp.size": None, "dist.tp.size": 1})]
+    flat = {"dist.pp.size": 1, "dist.cp.size": 1}
+    choices = [Choice(f"fsdp={n}", {"dist.fsdp.size": n, "dist.dp.size": None, "dist.tp.size": 1, **flat})]
     shard = node
     while shard < n:
         choices.append(Choice(f"dp={n // shard} x fsdp={shard}" if n % shard == 0 else f"hsdp fsdp={shard}",
-                              {"dist.fsdp.size": shard, "dist.dp.size": None, "dist.tp.size": 1}))  # fmt: skip
+                              {"dist.fsdp.size": shard, "dist.dp.size": None, "dist.tp.size": 1, **flat}))  # fmt: skip
         shard *= 2
     for tp in _powers_of_two(node):
         fsdp = n // tp if n % tp == 0 else max(1, n // tp)
         label = f"fsdp={fsdp} x tp={tp}" if fsdp > 1 else f"tp={tp}"
-        choices.append(Choice(label, {"dist.fsdp.size": fsdp, "dist.dp.size": None, "dist.tp.size": tp}))
+        choices.append(Choice(label, {"dist.fsdp.size": fsdp, "dist.dp.size": None, "dist.tp.size": tp, **flat}))
     return choices
+
+
+def pipeline_layouts(cluster: Cluster) -> list[Choice]:
+    """Pipelines of 2, 4 ... ``max_pp`` stages over nodes, FSDP over each stage's GPUs; see [Note: which PP and CP
+    layouts]."""
+    n, node = cluster.num_gpus, cluster.node_size
+    nodes = n // node
+    choices = []
+    for pp in _powers_of_two(min(cluster.max_pp, nodes if nodes > 1 else n)):
+        if n % pp:
+            continue
+        fsdp = n // pp
+        label = f"pp={pp} x fsdp={fsdp}" if fsdp > 1 else f"pp={pp}"
+        choices.append(Choice(label, {"dist.pp.size": pp, "dist.fsdp.size": fsdp, "dist.dp.size": None,
+                                      "dist.tp.size": 1, "dist.cp.size": 1, "dist.pp.schedule": "1F1B",
+                                      "dist.pp.stages_per_rank": 1, "dist.pp.microbatches": None}))  # fmt: skip
+    return choices
+
+
+def context_layouts(cluster: Cluster) -> list[Choice]:
+    """Context parallelism (Ulysses) of 2, 4 ... ranks inside a node, FSDP over the rest; see [Note: which PP and
+    CP layouts]."""
+    n, node = cluster.num_gpus, cluster.node_size
+    choices = []
+    for cp in _powers_of_two(node):
+        fsdp = n // cp
+        label = f"fsdp={fsdp} x cp={cp}" if fsdp > 1 else f"cp={cp}"
+        choices.append(Choice(label, {"dist.cp.size": cp, "dist.fsdp.size": fsdp, "dist.dp.size": None,
+                                      "dist.tp.size": 1, "dist.pp.size": 1}))  # fmt: skip
+    return choices
+
+
+def layout_axis(cluster: Cluster) -> list[Choice]:
+    """Every parallel layout: ``parallel_axis``, ``pipeline_layouts``, ``context_layouts`` (see [Note: candidate
+    axes])."""
+    return parallel_axis(cluster) + pipeline_layouts(cluster) + context_layouts(cluster)
+
+
+def worth_trying(candidate: Candidate, *, seq_len: int) -> bool:
+    """False for a context-parallel candidate on sequences shorter than ``CP_MIN_SEQ_LEN``, and for a pipeline
+    without activation checkpointing of every block (see [Note: which PP and CP layouts])."""
+    settings = candidate.settings
+    if settings.get("dist.pp.size", 1) > 1 and not (
+        settings.get("memory.gc") and settings.get("memory.gc_interval") == 1
+    ):
+        return False
+    return settings.get("dist.cp.size", 1) == 1 or seq_len >= CP_MIN_SEQ_LEN
 
 
 def checkpointing_axis(cluster: Cluster) -> list[Choice]:
@@ -118,7 +198,7 @@ def offload_axis(cluster: Cluster) -> list[Choice]:
     return [Choice("", {"memory.offload_params": False}), Choice("CPU offload", {"memory.offload_params": True})]
 
 
-AXES: list[Callable[[Cluster], list[Choice]]] = [parallel_axis, checkpointing_axis, offload_axis]
+AXES: list[Callable[[Cluster], list[Choice]]] = [layout_axis, checkpointing_axis, offload_axis]
 """The axes, outermost first; append a function to add one (see [Note: candidate axes])."""
 
 

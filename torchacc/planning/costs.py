@@ -1,7 +1,7 @@
 """The cost model of one training step: FLOPs at the device's dense peak, bytes at the links' bandwidths.
 
 [Note: cost model] Per GPU and per step of ``B`` sequences of ``S`` tokens (the ranks of one TP group share
-them, so a GPU works on ``B * S / tp`` tokens):
+them, so a GPU works on ``B * S / tp`` tokens; pipelines and CP below):
 
 * compute: ``6 * N`` FLOPs per token for the ``N`` parameters (2 forward, 4 backward) plus ``12 * L * d * S``
   for attention (``L`` blocks of width ``d``), divided by ``tp``; checkpointed blocks run their forward again
@@ -21,7 +21,23 @@ them, so a GPU works on ``B * S / tp`` tokens):
   come back, at the PCIe bandwidth, and AdamW runs on the host (about 28 bytes of host memory traffic per
   parameter of the shard, at ``host_bandwidth``): both add to the step.
 
-Tokens per second per GPU = ``B * S / tp / step``; MFU = the model's FLOPs (without recomputation) over
+* Pipeline (``pp`` stages, ``M = dist.pp.microbatches`` microbatches of ``B`` sequences: a pipeline's step
+  takes ``M * B`` sequences): each GPU computes its stage, the busier of the first (one more block when the
+  stages do not divide the blocks) and the last (the head). FSDP inside a stage moves only the stage's weights,
+  and gathers them once per step (``reshard_after_forward=False`` under a pipeline). The stage boundaries move
+  ``B * S * d`` in the compute dtype per microbatch and direction (a middle stage sends the activations forward
+  and their gradients back: ``2 * M`` of them), at the InfiniBand bandwidth when a stage fills a node or more
+  (the stages then sit on different nodes), else at NVLink's; they add to the step. The stages idle for the
+  bubble, ``(pp - 1) / (M + pp - 1)`` of the step under 1F1B and GPipe: the step is the busy time over
+  ``1 - bubble``.
+* Context parallelism (``cp`` ranks, Ulysses): each GPU computes ``S / cp`` tokens of every sequence (its share
+  of the heads over whole sequences in the attention: the same FLOPs), FSDP shards over ``fsdp * cp``, and each
+  block sends, forward and backward, ``(2 H + 2 K) * B * (S / cp) * D`` in the compute dtype (the queries, keys and
+  values in and the output back, ``H`` heads and ``K`` key/value heads of ``D`` dimensions, divided by ``tp``)
+  times ``(cp - 1) / cp``, once more for a recomputed block, at the NVLink bandwidth (a CP group stays inside a
+  node), on the critical path.
+
+Tokens per second per GPU = ``M * B * S / (pp * tp * cp) / step``; MFU = the model's FLOPs (without recomputation) over
 ``step * peak``. The model ignores kernel efficiency (every FLOP at the peak), latency, the optimizer step on the
 device and the data loader, so its absolute figures are optimistic; it ranks layouts by what they move and
 recompute.
@@ -67,6 +83,8 @@ class ModelShape:
     num_blocks: int
     hidden_size: int
     vocab_size: int
+    num_heads: int = 0
+    num_kv_heads: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,12 @@ class StepCost:
     tokens_per_s: float
     """Per GPU."""
     mfu: float
+    cp_s: float = 0.0
+    """Context parallelism's all-to-alls."""
+    pp_s: float = 0.0
+    """A pipeline's stage-boundary transfers."""
+    bubble: float = 0.0
+    """The share of the step a pipeline stage idles: ``(S - 1) / (M + S - 1)``."""
 
 
 def _num_checkpointed(layout: Layout, num_blocks: int) -> int:
@@ -96,51 +120,82 @@ def step_cost(
 ) -> StepCost:
     """The cost of one step of ``layout``: see [Note: cost model]."""
     dims = layout.dims
-    tp, fsdp, dp = dims.tp, dims.fsdp, dims.dp
+    tp, fsdp, dp, cp, pp = dims.tp, dims.fsdp, dims.dp, dims.cp, dims.pp
     low = layout.param_dtype is not None
     peak = hardware.peak_flops_bf16 if low else hardware.peak_flops_fp32
     act_bytes = 2 if low else 4
-    tokens = micro_batch_size * seq_len
-    attention = 12 * shape.num_blocks * shape.hidden_size * seq_len
-    model_flops = (6 * shape.num_params + attention) * tokens / tp
-    ckpt = _num_checkpointed(layout, shape.num_blocks)
+    microbatches = layout.pipeline.microbatches if layout.pipeline is not None else 1
+    tokens = micro_batch_size * seq_len * microbatches  # of one step of one TP (x CP) group or pipeline
+    split = tp * cp  # the ranks that share these tokens' work inside a stage
     per_block = shape.num_block_params / max(shape.num_blocks, 1)
-    recompute = ckpt * (2 * per_block + attention / shape.num_blocks / 3) * tokens / tp
-    compute_s = (model_flops + recompute) / peak
+    attention = 12 * shape.hidden_size * seq_len  # per block and token
+    # the busiest stage: the first (one more block when they do not divide) or the last (the head)
+    first, last = -(-shape.num_blocks // pp), shape.num_blocks // pp
+    rest = shape.num_params - shape.num_block_params  # the embedding and the head (half each when untied)
+    end = rest / 2 if pp > 1 else rest
+    stage_params = max(first, last) * per_block + end  # what the busiest stage gathers and reduces
+    compute_params = max(first * per_block, last * per_block + end)  # the head computes, the embedding looks up
+    stage_blocks = max(first, last)
+    model_flops = (6 * shape.num_params + attention * shape.num_blocks) * tokens / split / pp
+    stage_flops = (6 * compute_params + attention * stage_blocks) * tokens / split
+    ckpt = _num_checkpointed(layout, stage_blocks)
+    recompute = ckpt * (2 * per_block + attention / 3) * tokens / split
+    compute_s = (stage_flops + recompute) / peak
 
-    params_per_gpu = shape.num_params / tp
+    params_per_gpu = stage_params / tp
     fsdp_s = 0.0
-    if dims.sharded and fsdp > 1:
-        gathers = 1 + (layout.reshard_after_forward is not False)
-        volume = params_per_gpu * (gathers * act_bytes + layout.reduce_dtype.itemsize) * (fsdp - 1) / fsdp
-        inside = fsdp * tp <= gpus_per_node
+    shards = fsdp * cp  # FSDP shards over fsdp x cp
+    if dims.sharded and shards > 1:
+        gathers = 1 + (layout.reshard_after_forward is not False)  # a stage gathers once (see costs' note)
+        volume = params_per_gpu * (gathers * act_bytes + layout.reduce_dtype.itemsize) * (shards - 1) / shards
+        inside = shards * tp <= gpus_per_node
         fsdp_s = volume / (hardware.intra_node_bandwidth if inside else hardware.inter_node_bandwidth)
     if dims.sharded and dp > 1:
-        shard = params_per_gpu / fsdp * layout.reduce_dtype.itemsize
-        inside = dp * fsdp * tp <= gpus_per_node
+        shard = params_per_gpu / shards * layout.reduce_dtype.itemsize
+        inside = dp * shards * tp <= gpus_per_node
         fsdp_s += (
             2 * shard * (dp - 1) / dp / (hardware.intra_node_bandwidth if inside else hardware.inter_node_bandwidth)
         )
 
     tp_s = 0.0
+    local_tokens = tokens / cp
     if tp > 1:
-        activation = tokens * shape.hidden_size * act_bytes
-        reduces = 4 * shape.num_blocks + 2 * ckpt
-        logits = 2 * tokens * shape.vocab_size * act_bytes
+        activation = local_tokens * shape.hidden_size * act_bytes
+        reduces = 4 * stage_blocks + 2 * ckpt
+        logits = 2 * local_tokens * shape.vocab_size * act_bytes
         tp_s = (reduces * activation + logits) * 2 * (tp - 1) / tp / hardware.intra_node_bandwidth
+
+    cp_s = 0.0
+    if cp > 1:  # Ulysses: q, k, v in and the output back, forward and backward (again for a recomputed block)
+        heads = shape.num_heads + shape.num_kv_heads
+        head_dim = shape.hidden_size // max(shape.num_heads, 1)
+        per_pass = 2 * heads * local_tokens * head_dim * act_bytes / tp * (cp - 1) / cp
+        cp_s = (2 * stage_blocks + ckpt) * per_pass / hardware.intra_node_bandwidth
+
+    pp_s, bubble = 0.0, 0.0
+    if pp > 1:
+        boundary = local_tokens / microbatches * shape.hidden_size * act_bytes  # one microbatch, one direction
+        across = dims.world_size // pp >= gpus_per_node  # a stage fills a node or more: the boundary crosses nodes
+        bandwidth = hardware.inter_node_bandwidth if across else hardware.intra_node_bandwidth
+        pp_s = 2 * microbatches * boundary / bandwidth  # a middle stage: forward out, gradients back
+        bubble = (pp - 1) / (microbatches + pp - 1)
 
     offload_s = 0.0
     if layout.offload_params:
-        shard_params = params_per_gpu / max(fsdp, 1)
+        shard_params = params_per_gpu / max(shards, 1)
         offload_s = shard_params * (2 * 4 + 4) / hardware.pcie_bandwidth + shard_params * 28 / hardware.host_bandwidth
 
-    step_s = max(compute_s, fsdp_s) + tp_s + offload_s
+    busy_s = max(compute_s, fsdp_s) + tp_s + cp_s + pp_s + offload_s
+    step_s = busy_s / (1 - bubble)
     return StepCost(
         compute_s=compute_s,
         fsdp_s=fsdp_s,
         tp_s=tp_s,
         offload_s=offload_s,
         step_s=step_s,
-        tokens_per_s=tokens / tp / step_s,
+        tokens_per_s=tokens / split / pp / step_s,
         mfu=model_flops / (step_s * peak),
+        cp_s=cp_s,
+        pp_s=pp_s,
+        bubble=bubble,
     )

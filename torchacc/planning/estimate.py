@@ -10,6 +10,7 @@ offload (the peak is then what stays on the device: the fake step's peak without
 ``Breakdown.state``; the optimizer step runs on the host) and ``compute.compile`` (traced eagerly).
 """
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -23,14 +24,15 @@ from ..parallel.memory_report import format_bytes
 from .models import ModelSource, build_meta_model
 from .trace import BatchFn, Breakdown, Held, StepTrace, trace_step
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_from_peaks", "trace_layout"]
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_from_peaks", "stage_ranks", "trace_layout"]
 
 _CUDA_BLOCK = 512
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the busiest rank (rank 0) of a planned job; ``str()`` gives a table.
+    """Bytes on the busiest rank of a planned job (rank 0; with a pipeline, the busiest stage's: ``rank``);
+    ``str()`` gives a table.
 
     Example:
         >>> print(torchacc.estimate_memory(cfg, config, world_size=8, micro_batch_size=1, seq_len=4096))
@@ -53,6 +55,8 @@ class MemoryEstimate:
     """Where the peak is: "forward", "backward" or "optimizer"."""
     offload: bool = False
     """CPU offload: parameters, gradients and optimizer state live in host memory, outside ``peak``."""
+    rank: int = 0
+    """The rank the estimate speaks for: 0, or with a pipeline the first rank of the busiest stage."""
 
     @property
     def in_flight(self) -> int:
@@ -71,9 +75,8 @@ class MemoryEstimate:
             ("peak", self.peak, f"in the {self.peak_phase}" if self.peak_phase else ""),
         ]
         width = max(len(label) for label, _, _ in rows)
-        lines = [
-            f"rank 0 of {self.world_size}, {self.layout}, micro batch {self.micro_batch_size} x {self.seq_len} tokens"
-        ]
+        batch = f"micro batch {self.micro_batch_size} x {self.seq_len} tokens"
+        lines = [f"rank {self.rank} of {self.world_size}, {self.layout}, {batch}"]
         lines += [
             f"{label.ljust(width)}  {format_bytes(size).rjust(10)}  {note}".rstrip() for label, size, note in rows
         ]
@@ -127,26 +130,36 @@ def estimate_memory(
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     layout = Layout.from_config(config, world_size=world_size, device_type=device_type)
     meta = build_meta_model(model)
-    trace = trace_layout(meta, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, optimizer=optimizer,
-                         batch_fn=batch_fn)  # fmt: skip
-    peaks = trace.device_peaks if layout.offload_params else trace.peaks
-    return estimate_from_peaks(peaks, trace.held, layout, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    found = []
+    for rank in stage_ranks(layout):  # a pipeline's stages differ: trace each, keep the busiest
+        trace = trace_layout(copy.deepcopy(meta), layout, rank=rank, micro_batch_size=micro_batch_size,
+                             seq_len=seq_len, optimizer=optimizer, batch_fn=batch_fn)  # fmt: skip
+        peaks = trace.device_peaks if layout.offload_params else trace.peaks
+        found.append(estimate_from_peaks(peaks, trace.held, layout, micro_batch_size=micro_batch_size,
+                                         seq_len=seq_len, rank=rank))  # fmt: skip
+    return max(found, key=lambda estimate: estimate.peak)
 
 
-def trace_layout(model: nn.Module, layout: Layout, **step: object) -> StepTrace:
-    """``trace_step`` of ``model`` (meta, sharded in place) under a fake group of the layout's size, state kept."""
+def stage_ranks(layout: Layout) -> list[int]:
+    """The first rank of each pipeline position (the pipeline is the outermost axis); ``[0]`` without one."""
+    pp = layout.dims.pp
+    return [p * (layout.dims.world_size // pp) for p in range(pp)]
+
+
+def trace_layout(model: nn.Module, layout: Layout, *, rank: int = 0, **step: object) -> StepTrace:
+    """``trace_step`` of ``model`` (meta, sharded in place) as ``rank`` of a fake group of the layout's size."""
     traced = dataclasses.replace(layout, compile=False, offload_params=False)
     block = _CUDA_BLOCK if layout.device_type == "cuda" else 1
     rng = torch.get_rng_state()
     try:
-        with fake_process_group(world_size=layout.dims.world_size, rank=0):
+        with fake_process_group(world_size=layout.dims.world_size, rank=rank):
             return trace_step(model, traced, block_bytes=block, **step)  # type: ignore[arg-type]
     finally:
         torch.set_rng_state(rng)
 
 
 def estimate_from_peaks(
-    peaks: dict[str, Breakdown], held: Held, layout: Layout, *, micro_batch_size: int, seq_len: int
+    peaks: dict[str, Breakdown], held: Held, layout: Layout, *, micro_batch_size: int, seq_len: int, rank: int = 0
 ) -> MemoryEstimate:
     """The estimate for ``layout`` from each phase's peak (``StepTrace.device_peaks`` with CPU offload) and the
     held state."""
@@ -167,4 +180,5 @@ def estimate_from_peaks(
         seq_len=seq_len,
         peak_phase=phase,
         offload=layout.offload_params,
+        rank=rank,
     )

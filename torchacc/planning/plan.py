@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..config import Config
-from ..parallel.layout import Layout
+from ..parallel.layout import Layout, PipelineSchedule
 from ..parallel.plan import plan_model
-from .candidates import AXES, Candidate, Choice, Cluster, enumerate_candidates
+from .candidates import AXES, Candidate, Choice, Cluster, enumerate_candidates, worth_trying
 from .costs import Hardware, ModelShape, StepCost, step_cost
 from .estimate import MemoryEstimate, estimate_from_peaks
 from .models import ModelSource, build_meta_model, find_blocks
-from .scaling import depths_for, held_state, scale, trace_groups, traced_held
+from .scaling import CP_FIRST_DEPTH, FIRST_DEPTH, depths_for, held_state, scale, stage_blocks, trace_groups, traced_held
 
 __all__ = ["Plan", "PlannedLayout", "plan_layouts"]
 
@@ -56,20 +56,42 @@ class Plan:
         return next(iter(self.fitting), None)
 
 
-def _trace_key(layout: Layout) -> tuple[bool, int, int | None]:
-    """What the traced part depends on: FSDP on, the TP size, the checkpointing interval (None: none)."""
+TraceKey = tuple[bool, int, int | None, PipelineSchedule | None, int]
+
+
+def _trace_key(layout: Layout) -> TraceKey:
+    """What the traced part depends on: FSDP on, the TP size, the checkpointing interval (None: none), the pipeline
+    (stages, microbatches, schedule), the CP size."""
     ac = layout.checkpointing
-    return layout.dims.sharded, layout.dims.tp, None if ac is None else ac.interval
+    return layout.dims.sharded, layout.dims.tp, None if ac is None else ac.interval, layout.pipeline, layout.dims.cp
+
+
+def _plain_key(key: TraceKey) -> TraceKey:
+    return key[0], key[1], None, key[3], key[4]
+
+
+def _positions(layout: Layout) -> tuple[bool, ...]:
+    """The stages that can be the busiest: the first (the embedding, the most microbatches in flight) and the last
+    (the head, every microbatch's logits); without a pipeline, the one model."""
+    return (False, True) if layout.pipeline is not None else (False,)
+
+
+def _rank_of(layout: Layout, last: bool) -> int:
+    """The first rank of the first or last pipeline position (the pipeline is the outermost axis)."""
+    return (layout.dims.pp - 1) * (layout.dims.world_size // layout.dims.pp) if last else 0
 
 
 def _trace_layout(config: Config, layout: Layout) -> Layout:
-    """The smallest job of ``layout``'s shape: 2 shards when FSDP runs."""
+    """The smallest job of ``layout``'s shape: FSDP over 2 ranks when it runs (times the CP ranks, which shard
+    too)."""
     config = copy.deepcopy(config)
-    sharded, tp, _ = _trace_key(layout)
-    config.dist.fsdp.size, config.dist.dp.size, config.dist.tp.size = (2 if sharded else 1), 1, tp
+    sharded, tp, _, _, cp = _trace_key(layout)
+    fsdp = 2 if sharded and (cp == 1 or layout.dims.fsdp > 1) else 1
+    config.dist.fsdp.size, config.dist.dp.size, config.dist.tp.size, config.dist.cp.size = fsdp, 1, tp, cp
     raf = layout.reshard_after_forward
     config.dist.fsdp.reshard_after_forward = raf if sharded and isinstance(raf, bool) else True
-    return Layout.from_config(config, world_size=config.dist.fsdp.size * tp, device_type=layout.device_type)
+    world = fsdp * tp * cp * layout.dims.pp
+    return Layout.from_config(config, world_size=world, device_type=layout.device_type)
 
 
 def model_shape(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> ModelShape:
@@ -84,6 +106,10 @@ def model_shape(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> Model
         num_blocks=len(blocks),
         hidden_size=int(hidden or 0),
         vocab_size=int(getattr(config, "vocab_size", 0) or 0),
+        num_heads=int(getattr(config, "num_attention_heads", 0) or 0),
+        num_kv_heads=int(
+            getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0) or 0
+        ),
     )
 
 
@@ -141,6 +167,8 @@ def plan_layouts(
     meta = build_meta_model(model)
     base = config if config is not None else default_config(meta, bf16=bf16)
     candidates = enumerate_candidates(cluster, axes=tuple(AXES if axes is None else axes))
+    if axes is None:  # see [Note: which PP and CP layouts]
+        candidates = [c for c in candidates if worth_trying(c, seq_len=seq_len)]
     valid, refused = _resolve(meta, base, candidates, cluster.num_gpus)
     classes = tuple({type(m) for m in meta.modules() if type(m).__name__ in base.dist.fsdp.wrap_layer_cls})
     shape = model_shape(meta, classes)
@@ -155,14 +183,19 @@ def plan_layouts(
     helds = _helds(meta, valid, classes, shape.num_blocks)
     rows = []
     for candidate, cfg, layout in valid:
-        traced = traces[_trace_key(layout)]
-        line = helds.get(layout.dims) if layout.dims.sharded else None
-        peaks = scale(traced, shape.num_blocks, real=line, offload=layout.offload_params)
-        if "optimizer" not in peaks:  # checkpointing changes nothing in the optimizer step: see _traces
-            plain = traces[_trace_key(layout)[:2] + (None,)]
-            peaks["optimizer"] = scale(plain, shape.num_blocks, real=line, offload=layout.offload_params)["optimizer"]
-        real = (line or traced_held(traced)).at(shape.num_blocks)
-        estimate = estimate_from_peaks(peaks, real, layout, micro_batch_size=micro_batch_size, seq_len=seq_len)
+        key, found = _trace_key(layout), []
+        for last in _positions(layout):  # a pipeline: the busier of its first and last stages
+            traced = traces[(key, last)]
+            line = helds.get((layout.dims, last)) if layout.dims.sharded else None
+            blocks = stage_blocks(layout, shape.num_blocks)[last]
+            peaks = scale(traced, blocks, real=line, offload=layout.offload_params)
+            if "optimizer" not in peaks:  # checkpointing changes nothing in the optimizer step: see _traces
+                plain = traces[(_plain_key(key), last)]
+                peaks["optimizer"] = scale(plain, blocks, real=line, offload=layout.offload_params)["optimizer"]
+            real = (line or traced_held(traced)).at(blocks)
+            found.append(estimate_from_peaks(peaks, real, layout, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                             rank=_rank_of(layout, last)))  # fmt: skip
+        estimate = max(found, key=lambda e: e.peak)
         cost = step_cost(shape, layout, hardware, micro_batch_size=micro_batch_size, seq_len=seq_len,
                          gpus_per_node=cluster.node_size)  # fmt: skip
         rows.append(PlannedLayout(candidate, cfg, estimate, cost, estimate.peak <= hardware.usable_bytes))
@@ -196,35 +229,53 @@ def _resolve(
 
 
 def _traces(meta: nn.Module, valid: list, classes: tuple, step: dict, num_blocks: int, num_workers: int) -> dict:
-    """The fake steps (at ``depths_for``) of every trace key, grouped by world size (one fake world each)."""
+    """The fake steps (at ``depths_for`` per stage) of every (trace key, last stage), grouped by world size and rank
+    (one fake world each)."""
     wanted: dict[tuple, Layout] = {}
     for _, cfg, layout in valid:
         key = _trace_key(layout)
-        wanted.setdefault(key, _trace_layout(cfg, layout))
-        if key[2] is not None:  # the optimizer step is traced without checkpointing only: it is the same
-            plain = copy.deepcopy(cfg)
-            plain.memory.gc = False
-            wanted.setdefault(key[:2] + (None,), _trace_layout(plain, layout))
-    by_world: dict[int, list[tuple]] = {}
-    for key, layout in wanted.items():
-        by_world.setdefault(layout.dims.world_size, []).append(key)
+        traced = _trace_layout(cfg, layout)
+        plain = None
+        if key[2] is not None and key[3] is None:  # the optimizer step is traced without checkpointing only: it
+            # is the same (a pipeline's stage traces run it: their few keys need no second trace)
+            config = copy.deepcopy(cfg)
+            config.memory.gc = False
+            plain = _trace_layout(config, layout)
+        for last in _positions(layout):
+            wanted.setdefault((key, last), traced)
+            if plain is not None:
+                wanted.setdefault((_plain_key(key), last), plain)
+    by_world: dict[tuple[int, int], list[tuple]] = {}
+    for (key, last), layout in wanted.items():
+        by_world.setdefault((layout.dims.world_size, _rank_of(layout, last)), []).append((key, last))
     block = 512 if any(layout.device_type == "cuda" for layout in wanted.values()) else 1
     keys = list(by_world.values())
-    groups = [[(dataclasses.replace(wanted[k], compile=False, offload_params=False), depths_for(num_blocks, k[2] or 1),
-                k[2] is None) for k in group] for group in keys]  # fmt: skip
+    groups = []
+    for (_, rank), group in zip(by_world, keys, strict=True):
+        jobs = []
+        for key, last in group:
+            layout = dataclasses.replace(wanted[(key, last)], compile=False, offload_params=False)
+            first = CP_FIRST_DEPTH if key[4] > 1 else FIRST_DEPTH
+            depths = depths_for(stage_blocks(layout, num_blocks)[last], key[2] or 1, first_depth=first)
+            jobs.append((layout, depths, key[2] is None or key[3] is not None, rank))
+        groups.append(jobs)
     results = trace_groups(meta, groups, classes, num_workers=num_workers, block_bytes=block, **step)
     return {key: by_depth for group, traced in zip(keys, results, strict=True)
             for key, by_depth in zip(group, traced, strict=True)}  # fmt: skip
 
 
 def _helds(meta: nn.Module, valid: list, classes: tuple, num_blocks: int) -> dict:
-    """The exact held state of every distinct sharded layout at the real world size."""
-    layouts = {}
+    """The exact held state of every distinct sharded layout (and stage) at the real world size."""
+    layouts: dict[tuple[int, bool], dict] = {}
     for _, _, layout in valid:
         if layout.dims.sharded:
-            layouts.setdefault(layout.dims, dataclasses.replace(layout, compile=False, offload_params=False,
-                                                                checkpointing=None))  # fmt: skip
-    if not layouts:
-        return {}
-    held = held_state(meta, list(layouts.values()), classes, num_blocks=num_blocks)
-    return dict(zip(layouts, held, strict=True))
+            for last in _positions(layout):
+                rank = _rank_of(layout, last)
+                layouts.setdefault((rank, last), {}).setdefault(
+                    layout.dims, dataclasses.replace(layout, compile=False, offload_params=False, checkpointing=None)
+                )
+    found = {}
+    for (rank, last), by_dims in layouts.items():
+        held = held_state(meta, list(by_dims.values()), classes, num_blocks=num_blocks, rank=rank, last_stage=last)
+        found.update({(dims, last): line for dims, line in zip(by_dims, held, strict=True)})
+    return found

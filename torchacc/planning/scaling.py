@@ -16,6 +16,9 @@ small:
   whether FSDP runs at all, not on how many ranks shard or replicate: it is traced once per (FSDP on, TP size,
   checkpointing) on the smallest job of that shape (2 shards), and the traced state is replaced by the real.
 
+A pipeline is traced per stage (its first and last, at 2 and 3 blocks per stage: ``stage_blocks``,
+``cut_blocks``), and carried to the stage's real number of blocks the same way.
+
 Checkpointing 1 block in k is not traced: its per-block increments are those of the checkpointed and plain
 blocks (traced for "every block" and "none"), counted as the engine applies them (``matches[::k]``), and its
 constant part is that of the kind of the last block, which the backward meets first. CPU offload is read from
@@ -35,11 +38,15 @@ from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.memory_report import memory_report
 from ..parallel.plan import plan_model
-from .models import with_num_blocks
+from .models import find_blocks, with_num_blocks
 from .trace import Breakdown, Held, StepTrace, trace_step
 
 __all__ = [
+    "CP_FIRST_DEPTH",
     "HeldLine",
+    "Job",
+    "cut_blocks",
+    "stage_blocks",
     "depths_for",
     "held_state",
     "scale",
@@ -50,12 +57,15 @@ __all__ = [
 ]
 
 FIRST_DEPTH = 2
+CP_FIRST_DEPTH = 3
+"""Context parallelism's backward peak grows from 2 to 3 blocks by more than a block (measured on the width-64
+test model; why is not identified), then by a block each: its traces start at 3 blocks."""
 
 
-def depths_for(num_blocks: int, interval: int = 1) -> tuple[int, ...]:
+def depths_for(num_blocks: int, interval: int = 1, *, first_depth: int = FIRST_DEPTH) -> tuple[int, ...]:
     """The depths to trace: two, ``interval`` blocks apart (whole periods of the checkpointing pattern), the first
-    >= 2 and in step with ``num_blocks``; just ``num_blocks`` for a model no deeper than that."""
-    first = FIRST_DEPTH + (num_blocks - FIRST_DEPTH) % interval
+    >= ``first_depth`` and in step with ``num_blocks``; just ``num_blocks`` for a model no deeper than that."""
+    first = first_depth + (num_blocks - first_depth) % interval
     if num_blocks <= first + interval:
         return (num_blocks,)
     return (first, first + interval)
@@ -125,26 +135,47 @@ def with_state(breakdown: Breakdown, traced: Held, real: Held, *, optimizer: boo
     return Breakdown(**{**values, **state, "total": total})
 
 
+Job = tuple[Layout, tuple[int, ...], bool, int]
+"""(layout, per-stage depths, with the optimizer step, rank): one layout's fake steps (see ``trace_depths``)."""
+
+
+def cut_blocks(layout: Layout, depths: tuple[int, ...], num_blocks: int) -> dict[int, int]:
+    """For each per-stage depth of ``depths_for``, the blocks of the model to cut so that each pipeline stage holds
+    that many: ``depth * stages``; a single depth is the stage's real share, so the whole model."""
+    stages = layout.pipeline.num_stages if layout.pipeline is not None else 1
+    if len(depths) == 1:
+        return {depths[0]: num_blocks if stages > 1 else depths[0]}
+    return {d: d * stages for d in depths}
+
+
+def stage_blocks(layout: Layout, num_blocks: int) -> tuple[int, int]:
+    """Blocks of the first and of the last stage (the default split: earlier stages take one more when the
+    stages do not divide the blocks); ``(num_blocks, num_blocks)`` without a pipeline."""
+    if layout.pipeline is None:
+        return num_blocks, num_blocks
+    base, extra = divmod(num_blocks, layout.pipeline.num_stages)
+    return base + (extra > 0), base
+
+
 def trace_depths(
-    model: nn.Module,
-    jobs: list[tuple[Layout, tuple[int, ...], bool]],
-    classes: tuple[type[nn.Module], ...],
-    **step: object,
+    model: nn.Module, jobs: list[Job], classes: tuple[type[nn.Module], ...], **step: object
 ) -> list[dict[int, StepTrace]]:
-    """Fake steps of ``model`` cut to each depth, for each (layout, depths, with the optimizer step); the layouts
-    are of one world size."""
-    world = {layout.dims.world_size for layout, _, _ in jobs}
+    """Fake steps of ``model`` cut to each depth, for each job (layout, per-stage depths, with the optimizer step,
+    rank); the jobs are of one world size and rank."""
+    world = {(layout.dims.world_size, rank) for layout, _, _, rank in jobs}
     if len(world) != 1:
-        raise AssertionError(f"trace_depths takes layouts of one world size, got {sorted(world)}")
+        raise AssertionError(f"trace_depths takes jobs of one world size and rank, got {sorted(world)}")
+    size, rank = world.pop()
+    num_blocks = len(getattr(*find_blocks(model, classes)))
     results = []
     rng = torch.get_rng_state()
     try:
         # one world: DTensor's caches serve every trace in it; the warnings of the real run (once per trace
         # here) would bury the plan: estimate_memory, which runs one step, shows them
-        with fake_process_group(world_size=world.pop()), warnings.catch_warnings():
+        with fake_process_group(world_size=size, rank=rank), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for layout, depths, optimizer_step in jobs:
-                cut = {d: with_num_blocks(model, classes, d) for d in depths}
+            for layout, depths, optimizer_step, _ in jobs:
+                cut = {d: with_num_blocks(model, classes, n) for d, n in cut_blocks(layout, depths, num_blocks).items()}
                 results.append({d: trace_step(cut[d], layout, optimizer_step=optimizer_step, **step) for d in depths})
     finally:
         torch.set_rng_state(rng)
@@ -161,15 +192,20 @@ def _run_group(index: int) -> list[dict[int, StepTrace]]:
     return trace_depths(model, groups[index], classes, **step)
 
 
+def _num_microbatches(layout: Layout) -> int:
+    return layout.pipeline.num_stages if layout.pipeline is not None else 1
+
+
 def trace_groups(
     model: nn.Module,
-    groups: list[list[tuple[Layout, tuple[int, ...], bool]]],
+    groups: list[list[Job]],
     classes: tuple[type[nn.Module], ...],
     *,
     num_workers: int = 1,
     **step: object,
 ) -> list[list[dict[int, StepTrace]]]:
-    """``trace_depths`` of each group (one world size each), in ``num_workers`` forked processes when above 1.
+    """``trace_depths`` of each group (one world size and rank each), in ``num_workers`` forked processes when
+    above 1, the longest groups first.
 
     A fake step is Python-bound, one core each; the workers are forked (they share the meta model and the
     imports, nothing is pickled but the results) and end with ``os._exit``, so no exit handler of this process
@@ -179,6 +215,7 @@ def trace_groups(
     if num_workers <= 1 or len(groups) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [trace_depths(model, group, classes, **step) for group in groups]
     order = sorted(range(len(groups)), key=lambda i: -max(job[0].dims.world_size for job in groups[i]))
+    order = sorted(order, key=lambda i: -sum(len(job[1]) * _num_microbatches(job[0]) for job in groups[i]))
     _FORKED = (model, groups, classes, step)
     try:
         with multiprocessing.get_context("fork").Pool(min(num_workers, len(groups))) as pool:
@@ -189,19 +226,27 @@ def trace_groups(
 
 
 def held_state(
-    model: nn.Module, layouts: list[Layout], classes: tuple[type[nn.Module], ...], *, num_blocks: int
+    model: nn.Module,
+    layouts: list[Layout],
+    classes: tuple[type[nn.Module], ...],
+    *,
+    num_blocks: int,
+    rank: int = 0,
+    last_stage: bool = False,
 ) -> list[HeldLine]:
-    """Each layout's exact per-rank state by depth, from the engine at the real world size."""
+    """Each layout's exact state on ``rank`` by (per-stage) depth, from the engine at the real world size; with a
+    pipeline ``rank`` holds the first stage, or the last with ``last_stage``."""
     world = {layout.dims.world_size for layout in layouts}
     if len(world) != 1:
         raise AssertionError(f"held_state takes layouts of one world size, got {sorted(world)}")
     results = []
-    with fake_process_group(world_size=world.pop()):
+    with fake_process_group(world_size=world.pop(), rank=rank):
         for layout in layouts:
             mesh = layout.dims.build_mesh("cpu")
             held: dict[int, Held] = {}
-            for depth in depths_for(num_blocks):
-                cut = with_num_blocks(model, classes, depth)
+            cuts = cut_blocks(layout, depths_for(stage_blocks(layout, num_blocks)[last_stage]), num_blocks)
+            for depth, size in cuts.items():
+                cut = with_num_blocks(model, classes, size)
                 shard_model(cut, layout, plan_model(cut, layout, materialize=False), mesh=mesh,
                             device=torch.device("cpu"), materialize=False)  # fmt: skip
                 trained = [p for p in cut.parameters() if p.requires_grad]

@@ -8,7 +8,10 @@ that grows or shrinks (see [Note: live bytes] in parallel/memory_tracking.py). R
 and TP split a dimension like ``torch.chunk``, whose first pieces are the largest. Replaying the log gives, for
 each phase, the moments that can be its peak (``StepTrace.frontiers``) and what each is made of: the peak itself,
 the peak of what stays on the device when the sharded state lives in host memory (CPU offload, which the trace
-cannot run on a CPU), and the peak of a job whose state differs from the traced one (the planner's).
+cannot run on a CPU), and the peak of a job whose state differs from the traced one (the planner's). A
+context-parallel rank is fed what the loader gives it (its chunk of every sequence, ``sequence_split``); a
+pipeline stage runs its part of the schedule instead of ``model(**batch)`` (see [Note: fake pipeline step] in
+stage_step.py), traced as the rank the caller's fake group names.
 
 AdamW runs with ``foreach=True`` for a CUDA plan (torch's default there) and ``False`` for a CPU one (torch's
 default there), and for TP without FSDP, whose mix of DTensor and plain parameters foreach refuses. The two hold
@@ -29,11 +32,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from .._utils.tied import retie, tied_names
+from ..parallel.context import sequence_split
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.memory_report import MemoryReport, memory_report
 from ..parallel.memory_tracking import LiveBytes
 from ..parallel.plan import plan_model
+from .stage_step import StageStep
 
 __all__ = ["Breakdown", "Held", "StepTrace", "trace_step", "causal_lm_batch", "PHASES"]
 
@@ -159,6 +164,7 @@ def trace_step(
     device = torch.device("cpu")
     shard_model(model, layout, plan, mesh=mesh, device=device, materialize=False)
     aliases = tied_names(model.named_parameters(remove_duplicate=False))
+    split = sequence_split(layout, _fake_rank())  # outside the fake mode: it reads the rank grid
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=device)
         retie(model, aliases)  # as the engine's materialize does: to_empty unties
@@ -173,16 +179,23 @@ def trace_step(
                 "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
             }
-        batch = make_batch(micro_batch_size, seq_len)
+        pipeline = layout.pipeline
+        batch = make_batch(micro_batch_size * (pipeline.microbatches if pipeline else 1), seq_len)
+        if split is not None:  # what the loader gives this rank: its chunk of every sequence
+            batch = split(batch)
+        stage_step = StageStep(model, layout, batch) if pipeline is not None else None
         live = LiveBytes(record=True, block_bytes=block_bytes)
         state_keys = live.track(adamw.state)
         param_keys = live.track(list(model.parameters()))
-        live.track(list(model.buffers()), batch)
+        live.track(list(model.buffers()), batch, stage_step.tensors if stage_step else [])
         with live:
             live.mark("forward")
-            loss = _loss(model(*batch) if isinstance(batch, tuple) else model(**batch))
-            live.mark("backward")
-            loss.backward()
+            if stage_step is not None:
+                stage_step.run(live)
+            else:
+                loss = _loss(model(*batch) if isinstance(batch, tuple) else model(**batch))
+                live.mark("backward")
+                loss.backward()
             if optimizer_step:
                 live.mark("optimizer")
                 adamw.step()
@@ -192,6 +205,10 @@ def trace_step(
     categories = {"parameters": param_keys, "optimizer_state": state_keys, "gradients": grad_keys}
     categories["unsharded"] = unsharded_keys
     return StepTrace(report, _replay(live, categories))
+
+
+def _fake_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _loss(output: Any) -> torch.Tensor:
