@@ -6,6 +6,7 @@ is benchmarks/plan_accuracy.py.
 """
 
 import contextlib
+import gc
 import json
 import math
 import sys
@@ -144,11 +145,16 @@ def test_track_memory_counts_live_cpu_tensors_and_memory_report_reads_it():
         with torch._subclasses.fake_tensor.FakeTensorMode():
             shards = [torch.distributed.tensor.Shard(0)]
             ghost = torch.distributed.tensor.DTensor.from_local(torch.empty(1 << 28), mesh, shards, run_check=False)
-    with torchacc.track_memory("cpu") as tracked:
-        first = torch.empty(1 << 20, dtype=torch.uint8)
-        second = torch.empty(2 << 20, dtype=torch.uint8)
-        del first
-        third = torch.empty(1 << 20, dtype=torch.uint8)
+    gc.collect()  # a collection inside the block would free earlier tests' tensors and lower the peak
+    gc.disable()
+    try:
+        with torchacc.track_memory("cpu") as tracked:
+            first = torch.empty(1 << 20, dtype=torch.uint8)
+            second = torch.empty(2 << 20, dtype=torch.uint8)
+            del first
+            third = torch.empty(1 << 20, dtype=torch.uint8)
+    finally:
+        gc.enable()
     assert tracked.peak_bytes - tracked.baseline_bytes == 3 << 20
     # a DTensor of fake shards (left by an estimate) is no memory: 1 GiB here
     assert sum(4 * p.numel() for p in model.parameters()) <= tracked.baseline_bytes < ghost.to_local().nbytes
