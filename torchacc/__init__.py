@@ -19,8 +19,8 @@ from . import dist
 from .checkpoint.dcp import save_checkpoint
 from .checkpoint.dcp_load import latest_checkpoint, load_checkpoint, resume_latest
 from .checkpoint.files import load, save
+from .checkpoint.hf import export_hf
 from .checkpoint.offline.consolidate import consolidate
-from .checkpoint.offline.hf_export import export_hf
 from .checkpoint.offline.reshard import reshard_checkpoint
 from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
 from .config import ComputeConfig, Config, DataLoaderConfig, DistConfig, DPConfig, FSDPConfig, MemoryConfig, TPConfig

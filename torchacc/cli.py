@@ -93,17 +93,17 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
 def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, verify: bool) -> None:
     """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
-    from .checkpoint.offline.hf_export import _SAVE_CONFIG_HINT, _config_problem, _require_transformers, export_hf
+    from .checkpoint.hf import SAVE_CONFIG_HINT, config_problem, export_hf, require_transformers
 
-    _require_transformers("--format hf")
+    require_transformers("--format hf")
     if args.hf_config is None:
-        problem = _config_problem(ckpt, f"--ckpt-dir {ckpt!r} and no --hf-config was given")
+        problem = config_problem(ckpt, f"--ckpt-dir {ckpt!r} and no --hf-config was given")
     else:
-        problem = _config_problem(args.hf_config, f"--hf-config {args.hf_config!r}")
+        problem = config_problem(args.hf_config, f"--hf-config {args.hf_config!r}")
     if problem:
         raise ValueError(
             f"--format hf needs the model's config.json: {problem}; pass --hf-config PATH (a config.json or a "
-            f"directory holding one), {_SAVE_CONFIG_HINT}"
+            f"directory holding one), {SAVE_CONFIG_HINT}"
         )
     export_hf(ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
 

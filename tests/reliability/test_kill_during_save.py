@@ -17,8 +17,8 @@ from _faults import inject, kill_self, launch_failing, run_forked
 from _models import TinyNet
 
 import torchacc
-import torchacc.checkpoint._checksums
-import torchacc.checkpoint._dir
+import torchacc.checkpoint.directory
+import torchacc.checkpoint.storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -89,9 +89,9 @@ def _is_latest(src, dst, *args, **kwargs) -> bool:
 CHECKPOINT_POINTS = {
     "mid-data-write": lambda: inject(dcp_fs, "_write_item", kill_self, nth=3),
     "before-metadata": lambda: inject(dcp_fs.FileSystemWriter, "finish", kill_self),
-    "mid-checksums": lambda: inject(torchacc.checkpoint._checksums, "file_crc32", kill_self),
+    "mid-checksums": lambda: inject(torchacc.checkpoint.storage, "file_crc32", kill_self),
     "before-rename": lambda: inject(os, "replace", kill_self, when=_is_staging),
-    "after-rename-before-latest": lambda: inject(torchacc.checkpoint._dir, "atomic_write_text", kill_self),
+    "after-rename-before-latest": lambda: inject(torchacc.checkpoint.directory, "atomic_write_text", kill_self),
     "mid-latest-write": lambda: inject(os, "replace", kill_self, when=_is_latest),
 }
 

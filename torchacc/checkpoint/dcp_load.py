@@ -1,7 +1,5 @@
-"""Loading the native sharded checkpoint: ``load_checkpoint``, ``latest_checkpoint`` and ``resume_latest``.
-
-See ``dcp.py`` for the layout of a checkpoint directory, [Note: checkpoint atomicity] and
-[Note: per-rank extra].
+"""Loading torchacc checkpoints: ``load_checkpoint``, ``resume_latest``, and ``load_dcp``, the one DCP loader
+(the strategy's sharded files go through it too). See ``dcp.py`` for the layout and [Note: per-rank extra].
 """
 
 import os
@@ -12,31 +10,17 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from .._utils.logging import warn_once
-from ..data import ShardedDataLoader
 from ..distributed import env
-from . import _checksums, _dir
-from ._safe_load import SafeLoadPlanner, SafeReader, UnsafeFileError, decode
-from .dcp import LATEST
-from .optimizer import load_optim_state_dict
+from . import storage
+from .dcp import LATEST, wait_for_save
+from .directory import latest_checkpoint, require_latest
+from .optimizer import load_optim_state_dict, named_parameters
+from .rng import set_rng_state
 
-__all__ = ["load_checkpoint", "latest_checkpoint", "resume_latest", "require_latest"]
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
-    """The path of the newest complete checkpoint under ``directory``, or None if there is none."""
-    pointer = os.path.join(os.fspath(directory), LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        tag = f.read().strip()
-    # An interrupted re-save of the same tag leaves the previous version under .<tag>.replaced.
-    for name in (tag, f".{tag}.replaced"):
-        path = os.path.join(os.fspath(directory), name)
-        if tag and os.path.isfile(os.path.join(path, ".metadata")):
-            return path
-    return None
+__all__ = ["load_checkpoint", "latest_checkpoint", "resume_latest", "read_checkpoint", "load_dcp"]
 
 
 def resume_latest(
@@ -45,7 +29,7 @@ def resume_latest(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     scheduler: Any = None,
-    dataloader: ShardedDataLoader | None = None,
+    dataloader: Any = None,
     verify: bool = True,
     weights_only: bool = True,
 ) -> dict[str, Any] | None:
@@ -53,13 +37,11 @@ def resume_latest(
 
     The restart half of a training script: call it every time the script starts (every rank), after
     ``accelerate()`` and building the optimizer; under ``torchrun --max-restarts=N`` a crashed job then
-    continues from its last complete checkpoint, with the data position restored.
+    continues from its last complete checkpoint, with the data position and random states restored.
 
     Args:
         directory: the root given to ``save_checkpoint`` (it need not exist yet).
-        model, optimizer, scheduler, dataloader: filled in place, as in ``load_checkpoint``.
-        verify: check every file's CRC-32 against the checksums recorded at save.
-        weights_only: as in ``load_checkpoint``.
+        model, optimizer, scheduler, dataloader, verify, weights_only: as in ``load_checkpoint``.
 
     Returns:
         The ``extra`` dict of the loaded checkpoint, or None when ``directory`` holds no checkpoint yet.
@@ -72,6 +54,7 @@ def resume_latest(
         >>> extra = torchacc.resume_latest("ckpt", model, optimizer, dataloader=loader) or {}
         >>> start = extra.get("step", 0)
     """
+    wait_for_save()
     path = require_latest(directory)
     if path is None:
         return None
@@ -86,51 +69,39 @@ def resume_latest(
     )
 
 
-def require_latest(directory: str | os.PathLike[str]) -> str | None:
-    """``latest_checkpoint``, but a ``latest`` naming a missing or incomplete checkpoint raises FileNotFoundError."""
-    directory = os.fspath(directory)
-    path = latest_checkpoint(directory)
-    pointer = os.path.join(directory, LATEST)
-    if path is None and os.path.isfile(pointer):
-        with open(pointer) as f:
-            tag = f.read().strip()
-        # Starting afresh here would let the new run's saves (and rotation) bury the old checkpoints.
-        raise FileNotFoundError(
-            f"{pointer} names {tag!r}, which is not a complete checkpoint in {directory!r}; restore it, or "
-            "load an earlier checkpoint-N explicitly with torchacc.load_checkpoint"
-        )
-    return path
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
-    dataloader: ShardedDataLoader | None = None,
+    dataloader: Any = None,
     verify: bool = True,
     weights_only: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint``, at any world size. Every rank must call it.
+
+    The random states each rank saved are restored too (Python, NumPy, torch's CPU and accelerator generators),
+    so that a resumed run draws what the uninterrupted one would have; ranks the checkpoint did not have keep theirs.
 
     Args:
         path: a checkpoint directory, or the root passed to ``save_checkpoint`` (its ``latest`` is loaded).
         model, optimizer, scheduler, dataloader: filled in place; each must have been saved.
         verify: check every file's CRC-32 against the checksums recorded at save (the ranks share the reading);
             False checks only the sizes.
-        weights_only: load without running code from the files (see [Note: safe loading] in
-            ``torchacc.checkpoint._safe_load``); False only for checkpoints you trust that hold other objects (numpy
-            arrays in ``extra``) or were written by torchacc before format 2.
+        weights_only: load without running code from the files (see [Note: safe loading] in ``storage.py``);
+            False only for checkpoints you trust that hold other objects (numpy arrays in ``extra``) or were
+            written by torchacc before format 2.
 
     Returns:
-        The ``extra`` dict this rank saved (see [Note: per-rank extra]).
+        The ``extra`` dict this rank saved (see [Note: per-rank extra] in ``dcp.py``).
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
         ValueError: a missing, truncated or corrupt file (named), the checkpoint lacks something asked for,
             holds keys this model does not have, or holds objects that would run code (with ``weights_only``).
     """
+    wait_for_save()
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         latest = latest_checkpoint(path)
@@ -140,48 +111,38 @@ def load_checkpoint(
                 "pass the directory given to save_checkpoint or one of its checkpoint-N subdirectories"
             )
         path = latest
-    what = f"load_checkpoint({path!r})"
-    _checksums.verify(path, full=verify, what=what)
-    reader = SafeReader(path, weights_only=weights_only)
-    try:
-        metadata = reader.read_metadata()
-        saved = metadata.state_dict_metadata
-    except UnsafeFileError:
-        raise
-    except Exception as exc:
-        raise ValueError(
-            f"{os.path.join(path, '.metadata')}: unreadable ({type(exc).__name__}: {exc}); the checkpoint is damaged: "
-            "restore the file or load an earlier checkpoint"
-        ) from None
-    state: dict[str, Any] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    metadata = read_checkpoint(path, verify=verify, weights_only=weights_only)
+    saved = metadata.state_dict_metadata
+    model_state = get_model_state_dict(model)
+    state: dict[str, Any] = {f"model/{k}": v for k, v in model_state.items()}
     missing = sorted(k.removeprefix("model/") for k in state if k not in saved)
     unexpected = sorted(k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in state)
     if missing or unexpected:
         raise ValueError(f"{path}: the model does not match the checkpoint: missing {missing}, unexpected {unexpected}")
-    params = dict(model.named_parameters())
     if optimizer is not None:
         _require(saved, "optim_param_groups", path, "optimizer")
+        params = named_parameters(model)
         for key, meta in saved.items():
-            if key.startswith("optim/") and isinstance(meta, TensorStorageMetadata):
-                name, _, state_key = key.removeprefix("optim/").rpartition("/")
+            if key.startswith("optim/"):
+                name = key.removeprefix("optim/").rpartition("/")[0]
                 state[key] = _template(params.get(name), meta, name, path)
         state["optim_param_groups"] = None
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
             _require(saved, key, path, key)
             state[key] = None
-    extra_key = _extra_key(saved, path)
+    extra_key, rng_key = _extra_key(saved, path), f"rng/rank-{env.rank()}"
     state[extra_key] = None
-    try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only=weights_only))
-    except CheckpointException as exc:  # raised on every rank
-        detail = _dir.find_short_file(path, metadata) or _dir.describe_failure(exc, path)
-        raise ValueError(f"{what} failed: {detail}") from None
+    if rng_key in saved:
+        state[rng_key] = None
+    load_dcp(path, state, metadata, weights_only=weights_only)
 
-    model.load_state_dict({k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")})
+    def decoded(key: str, what: str) -> Any:
+        return storage.decode(state[key], weights_only=weights_only, what=f"{path}: {what}")
+
+    set_model_state_dict(model, {k: state[f"model/{k}"] for k in model_state}, options=StateDictOptions(strict=True))
     if optimizer is not None:
-        groups = decode(state["optim_param_groups"], weights_only=weights_only, what=f"{path}: optimizer groups")
-        osd: dict[str, Any] = {"state": {}, "param_groups": groups}
+        osd: dict[str, Any] = {"state": {}, "param_groups": decoded("optim_param_groups", "optimizer groups")}
         for key, value in state.items():
             if key.startswith("optim/"):
                 name, _, state_key = key.removeprefix("optim/").rpartition("/")
@@ -189,8 +150,45 @@ def load_checkpoint(
         load_optim_state_dict(model, optimizer, osd)
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
-            obj.load_state_dict(decode(state[key], weights_only=weights_only, what=f"{path}: {key} state"))
-    return decode(state[extra_key], weights_only=weights_only, what=f"{path}: extra")
+            obj.load_state_dict(decoded(key, f"{key} state"))
+    if rng_key in saved:
+        set_rng_state(decoded(rng_key, "random states"))
+    return decoded(extra_key, "extra")
+
+
+def read_checkpoint(path: str, *, verify: bool = True, weights_only: bool = True) -> Any:
+    """Check the DCP directory ``path`` against its checksums (every rank must call it), then read its metadata
+    without running code; a damaged file raises ValueError naming it."""
+    storage.verify(path, full=verify, what=f"load_checkpoint({path!r})")
+    try:
+        return storage.SafeReader(path, weights_only=weights_only).read_metadata()
+    except storage.UnsafeFileError:
+        raise
+    except Exception as exc:
+        raise ValueError(
+            f"{os.path.join(path, '.metadata')}: unreadable ({type(exc).__name__}: {exc}); the checkpoint is damaged: "
+            "restore the file or load an earlier checkpoint"
+        ) from None
+
+
+def load_dcp(
+    path: str, state: dict[str, Any], metadata: Any, *, weights_only: bool = True, rebuild: bool = False
+) -> dict[str, Any]:
+    """Fill ``state`` (templates: DTensors are loaded as laid out, ``None`` takes a non-tensor entry) from the DCP
+    directory ``path`` (``metadata`` from :func:`read_checkpoint`); ``rebuild`` also fills in the top-level entries
+    ``state`` has no template for, as saved. The one DCP loader. Every rank must call it.
+
+    Raises:
+        ValueError: a missing or truncated file (named), or entries that would run code.
+    """
+    reader = storage.SafeReader(path, weights_only=weights_only)
+    planner = storage.SafeLoadPlanner(weights_only=weights_only, rebuild=rebuild)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as exc:  # raised on every rank
+        short = storage.find_short_file(path, metadata)
+        raise ValueError(f"load_checkpoint({path!r}) failed: {short or storage.describe_failure(exc, path)}") from None
+    return state
 
 
 def _extra_key(saved: dict[str, Any], path: str) -> str:
@@ -205,7 +203,7 @@ def _extra_key(saved: dict[str, Any], path: str) -> str:
         )
     warn_once(
         f"{path} was saved by fewer ranks than this job has: the ranks it did not have get rank 0's extra "
-        "(RNG states, counters); re-seed them if they must differ"
+        "(counters) and keep their own random states; re-seed them if they must differ"
     )
     return "extra/rank-0"
 
@@ -215,10 +213,12 @@ def _require(saved: dict[str, Any], key: str, path: str, what: str) -> None:
         raise ValueError(f"{path}: no {what} state was saved in this checkpoint; do not pass {what}= to load it")
 
 
-def _template(param: torch.Tensor | None, meta: TensorStorageMetadata, name: str, path: str) -> torch.Tensor:
-    """An empty tensor for DCP to load one optimizer state into, laid out like its parameter."""
+def _template(param: torch.Tensor | None, meta: Any, name: str, path: str) -> Any:
+    """What DCP loads one optimizer state into: a tensor laid out like its parameter, or None for a non-tensor."""
     if param is None:
         raise ValueError(f"{path}: optimizer state for {name!r}, which is not a parameter of this model")
+    if not isinstance(meta, TensorStorageMetadata):
+        return None
     if tuple(meta.size) == tuple(param.shape):
         return torch.zeros_like(param, dtype=meta.properties.dtype)
     return torch.zeros(meta.size, dtype=meta.properties.dtype, device=param.device if meta.size else "cpu")

@@ -27,9 +27,19 @@ from ..distributed import env
 from ..parallel.accelerated import accelerated_state
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
-__all__ += ["dtensor_like", "gather_full", "is_sharded"]
+__all__ += ["dtensor_like", "gather_full", "is_sharded", "canonical_name"]
 
 FORMAT = "torchacc-shards/1"
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the segments that wrappers (torch.compile, checkpoint_wrapper, FSDP1) insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def parse_dtype(name: str) -> torch.dtype:

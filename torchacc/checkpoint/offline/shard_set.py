@@ -25,7 +25,7 @@ from ..._utils.tied import tied_names
 from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
-from ..state import is_sharded, parse_dtype
+from ..state import canonical_name, is_sharded, parse_dtype
 from ._checks import check_rank, check_tiling, open_shard, order_by_rank
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
@@ -48,16 +48,6 @@ class TensorItem:
     @property
     def num_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """``name`` without the segments that wrappers (torch.compile, checkpoint_wrapper, FSDP1) insert."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def get_path(obj: Any, path: tuple[str, ...]) -> Any:
