@@ -7,16 +7,19 @@ Examples::
     torchacc consolidate --ckpt-dir ckpt --format safetensors --out model.safetensors
     torchacc consolidate --ckpt-dir ckpt --format hf --hf-config cfg.json --out gpt2-hf
     torchacc consolidate --ckpt-dir ckpt --reshard 4 --out ckpt-4
+    torchacc consolidate --ckpt-dir run --format safetensors          # a save_checkpoint root (its latest)
 
 Outputs are streamed (memory for about one tensor). Errors are one line on stderr and exit code 1.
 """
 
 import argparse
+import glob
 import os
 import sys
 from collections.abc import Sequence
 
-from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate
+from .checkpoint.directory import require_latest
+from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, consolidate_dcp
 from .checkpoint.offline.reshard import reshard_checkpoint
 
 __all__ = ["main"]
@@ -32,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="torchacc", description="torchacc command-line tools")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("consolidate", help="merge per-rank shard files offline (no GPU, no process group)")
-    p.add_argument("--ckpt-dir", required=True, help="the directory holding rank-*-of-*-{model,optim}.pth")
+    p.add_argument(
+        "--ckpt-dir", required=True, help="rank-*-of-*-{model,optim}.pth files, or a save_checkpoint root or checkpoint"
+    )
     p.add_argument("--pattern", help=f"shard file glob for --type model or optimizer (default {MODEL_PATTERN!r})")
     p.add_argument("--type", choices=["model", "optimizer", "all"], default="model")
     p.add_argument("--reshard", type=int, metavar="N", help="write N rank files instead of one consolidated file")
@@ -55,6 +60,11 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     if not os.path.isdir(ckpt):
         raise ValueError(f"--ckpt-dir {ckpt!r} is not a directory")
     if args.reshard is not None:
+        if not args.pattern and not glob.glob(os.path.join(ckpt, MODEL_PATTERN)) and _native_checkpoint(ckpt):
+            raise ValueError(
+                f"--ckpt-dir {ckpt!r} holds a save_checkpoint checkpoint, which loads at any world size as it is "
+                "(torchacc.load_checkpoint reshards); --reshard is for rank-*-of-*-model.pth files"
+            )
         if args.format != "torch":
             raise ValueError("--reshard writes torch rank files; drop --format or use --format torch")
         out = args.out or os.path.join(ckpt, f"resharded-{args.reshard}")
@@ -66,10 +76,15 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     if args.type != "model" and args.format != "torch":
         raise ValueError(f"--format {args.format} holds model weights only; use --format torch for optimizer state")
     sections = ["model", "optimizer"] if args.type == "all" else [args.type]
+    native = None if args.pattern or glob.glob(os.path.join(ckpt, MODEL_PATTERN)) else _native_checkpoint(ckpt)
     written = []
     for section in sections:
         pattern = os.path.join(ckpt, args.pattern or (MODEL_PATTERN if section == "model" else OPTIM_PATTERN))
-        if args.format == "hf":
+        if native is not None and args.format != "hf":
+            default = {"model": "consolidated.pth", "optimizer": "consolidated_optim.pth"}[section]
+            out = args.out or os.path.join(ckpt, "model.safetensors" if args.format == "safetensors" else default)
+            consolidate_dcp(native, section=section, out=out, fmt=args.format, sync_files=sync_files)
+        elif args.format == "hf":
             out = args.out or os.path.join(ckpt, "hf")
             _export_hf(args, ckpt, out, pattern=os.path.basename(pattern), verify=verify)
         else:
@@ -91,6 +106,22 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     return written
 
 
+def _native_checkpoint(ckpt: str) -> str | None:
+    """The ``save_checkpoint`` checkpoint ``ckpt`` is (or whose ``latest`` it holds), or None; a folder of neither
+    kind is an error naming what it holds."""
+    if os.path.isfile(os.path.join(ckpt, ".metadata")):
+        return ckpt
+    if (latest := require_latest(ckpt)) is not None:
+        return latest
+    names = sorted(os.listdir(ckpt))
+    found = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "") if names else "nothing"
+    raise ValueError(
+        f"no checkpoint files match {os.path.join(ckpt, MODEL_PATTERN)!r}, and --ckpt-dir {ckpt!r} is no "
+        f"save_checkpoint checkpoint either (no .metadata, no 'latest'); it holds {found}. Pass the directory of the "
+        "rank files (or --pattern GLOB), or a save_checkpoint root or one of its checkpoint-N directories"
+    )
+
+
 def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, verify: bool) -> None:
     """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
     from .checkpoint.hf import SAVE_CONFIG_HINT, config_problem, export_hf, require_transformers
@@ -105,7 +136,8 @@ def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, v
             f"--format hf needs the model's config.json: {problem}; pass --hf-config PATH (a config.json or a "
             f"directory holding one), {SAVE_CONFIG_HINT}"
         )
-    export_hf(ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
+    native = None if glob.glob(os.path.join(ckpt, pattern)) else _native_checkpoint(ckpt)
+    export_hf(native or ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,7 @@ def build_gpt2():
 
 
 def train(model, loader, optimizer, step: int, until: int) -> list[float]:
+    """Steps ``step`` to ``until`` over ``loader`` (passes over it as needed; an iterator is read on)."""
     losses = []
     while step < until:
         for batch in loader:
@@ -103,5 +104,53 @@ def strategy_resume(out: str) -> dict:
     return result
 
 
+def background_saves(out: str) -> dict:
+    """save_checkpoint(blocking=False): training goes on while the files are written; published at wait(), at
+    the next save and at a load (at exit: tests/unit/test_checkpoint_root.py); it holds the state at the call."""
+    root = os.path.join(out, "background")
+    model, loader, optimizer = build_gpt2()
+    batches = iter(loader)
+    train(model, batches, optimizer, 0, 2)
+    torchacc.save_checkpoint(root, model=model, optimizer=optimizer)
+    at_call = {"state": full_state(model), "optim": torchacc.optim_state_dict(model, optimizer, full=True)}
+    handle = torchacc.save_checkpoint(root, model=model, optimizer=optimizer, extra={"step": 2}, blocking=False)
+    result = {"latest_while_writing": torchacc.latest_checkpoint(root)}
+    train(model, batches, optimizer, 2, 5)  # changes the parameters and the optimizer state in place
+    result["path"], result["latest_after_wait"] = handle.wait(), torchacc.latest_checkpoint(root)
+    fresh, _, fresh_optimizer = build_gpt2()
+    result["extra"] = torchacc.load_checkpoint(handle.path, model=fresh, optimizer=fresh_optimizer)
+    result["loaded"] = {
+        "state": full_state(fresh),
+        "optim": torchacc.optim_state_dict(fresh, fresh_optimizer, full=True),
+    }
+    result["at_call"] = at_call
+    torchacc.save_checkpoint(root, model=model, extra={"step": 5}, blocking=False)
+    torchacc.save_checkpoint(root, model=model, extra={"step": 6}, blocking=False)  # publishes the one before
+    result["latest_at_next_save"] = torchacc.latest_checkpoint(root)
+    result["resumed_extra"] = torchacc.resume_latest(root, fresh)  # publishes the one in flight, loads it
+    return result
+
+
+def live_export(out: str) -> dict:
+    """export_hf(model, dir) and model.save_pretrained(dir) on the FSDP model, at every rank."""
+    model, _, _ = build_gpt2()
+    model.eval()
+    ids = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    torchacc.export_hf(model, os.path.join(out, "export"))
+    model.save_pretrained(os.path.join(out, "pretrained"))
+    try:
+        model.save_pretrained(os.path.join(out, "refused"), state_dict={})
+    except ValueError as exc:
+        refused = str(exc)
+    return {"logits": logits, "ids": ids, "refused": refused}
+
+
 def suite(out: str) -> dict:
-    return {"exact": exact_resume(out), "strategy": strategy_resume(out)}
+    return {
+        "exact": exact_resume(out),
+        "strategy": strategy_resume(out),
+        "background": background_saves(out),
+        "export": live_export(out),
+    }

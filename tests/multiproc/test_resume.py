@@ -34,3 +34,33 @@ def test_len_of_a_resumed_loader_is_the_full_epoch_and_the_rest_is_counted_apart
     results, _ = ranks
     for result in results:  # 64 samples, 2 ranks, batches of 2: 16 per epoch, 11 taken before the save
         assert result["exact"]["lengths_after_resume"] == (16, 5)
+
+
+def test_a_save_in_the_background_holds_the_state_at_the_call_and_is_published_at_wait(ranks):
+    results, out = ranks
+    root = out / "background"
+    for result in results:
+        assert result["latest_while_writing"] == str(root / "checkpoint-1"), "published at wait(), not before"
+        assert result["path"] == result["latest_after_wait"] == str(root / "checkpoint-2")
+        assert result["extra"] == {"step": 2}
+        assert_same_run({"losses": [], **result["loaded"]}, {"losses": [], **result["at_call"]})
+        for name, values in result["at_call"]["optim"]["state"].items():
+            for key, value in values.items():
+                assert torch.equal(result["loaded"]["optim"]["state"][name][key], value), (name, key)
+        assert result["latest_at_next_save"] == str(root / "checkpoint-3"), "the next save publishes the one before"
+        assert result["resumed_extra"] == {"step": 6}, "a load publishes the save in flight first"
+    visible = sorted(p.name for p in root.iterdir() if p.name != ".torchacc-writer.json")
+    assert visible == [*(f"checkpoint-{n}" for n in range(1, 5)), "latest"]
+
+
+def test_export_hf_of_the_live_model_reloads_to_equal_logits(ranks):
+    from transformers import AutoModelForCausalLM
+
+    results, out = ranks
+    expected = results[0]["export"]
+    for name in ("export", "pretrained"):
+        files = sorted(p.name for p in (out / name).iterdir())
+        assert files == ["config.json", "generation_config.json", "model.safetensors"], files
+        reloaded = AutoModelForCausalLM.from_pretrained(out / name).eval()
+        torch.testing.assert_close(reloaded(input_ids=expected["ids"]).logits, expected["logits"], rtol=0, atol=1e-5)
+    assert "call torchacc.export_hf" in expected["refused"] and not (out / "refused").exists()

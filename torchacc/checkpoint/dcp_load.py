@@ -15,12 +15,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from .._utils.logging import warn_once
 from ..distributed import env
 from . import storage
-from .dcp import LATEST, wait_for_save
+from .dcp import LATEST
 from .directory import latest_checkpoint, require_latest
 from .optimizer import load_optim_state_dict, named_parameters
 from .rng import set_rng_state
+from .writing import wait_for_save
 
-__all__ = ["load_checkpoint", "latest_checkpoint", "resume_latest", "read_checkpoint", "load_dcp"]
+__all__ = ["load_checkpoint", "latest_checkpoint", "resume_latest", "read_checkpoint", "load_dcp", "dcp_source"]
 
 
 def resume_latest(
@@ -222,3 +223,23 @@ def _template(param: torch.Tensor | None, meta: Any, name: str, path: str) -> An
     if tuple(meta.size) == tuple(param.shape):
         return torch.zeros_like(param, dtype=meta.properties.dtype)
     return torch.zeros(meta.size, dtype=meta.properties.dtype, device=param.device if meta.size else "cpu")
+
+
+def dcp_source(path: str, prefix: str = "model/") -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Any]:
+    """The tensors under ``prefix`` of a ``save_checkpoint`` directory, read one at a time without running code."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .storage import SafeLoadPlanner, SafeReader
+
+    saved = SafeReader(path).read_metadata().state_dict_metadata
+    keys = {k.removeprefix(prefix): k for k, m in saved.items() if k.startswith(prefix)}
+    tensors = {n: saved[k] for n, k in keys.items() if isinstance(saved[k], TensorStorageMetadata)}
+    layout = {n: (tuple(meta.size), meta.properties.dtype) for n, meta in tensors.items()}
+
+    def read(name: str) -> torch.Tensor:
+        box = {keys[name]: torch.empty(layout[name][0], dtype=layout[name][1])}
+        load(box, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        return box[keys[name]]
+
+    return layout, read

@@ -1,10 +1,6 @@
-"""Hugging Face export: a ``save_pretrained``-style directory from a live accelerated model or from files.
-
-``AutoModelForCausalLM.from_pretrained(output_dir)`` loads the result. Weights come from the live model (every
-rank takes part in gathering one tensor at a time; rank 0 writes), per-rank shards, a consolidated file, a
-``save_checkpoint`` directory or a state dict, and are written as safetensors files (several, with an index,
-past ``max_shard_size``) one tensor at a time: memory for about one tensor, not the model.
-"""
+"""Hugging Face export (``export_hf``): a ``from_pretrained`` directory from a live accelerated model or from files,
+written as safetensors one tensor at a time (from a live model: gathered one at a time), so memory for about one
+tensor, not the model."""
 
 import json
 import os
@@ -23,7 +19,7 @@ from ..distributed.collectives import meet, raise_on_any_rank
 from ._format.safetensors_writer import StreamingSafetensorsWriter
 from .state import canonical_name
 
-__all__ = ["export_hf", "save_pretrained", "dcp_source", "SAVE_CONFIG_HINT", "config_problem", "require_transformers"]
+__all__ = ["export_hf", "save_pretrained", "SAVE_CONFIG_HINT", "config_problem", "require_transformers"]
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Source = tuple[Layout, Callable[[str], torch.Tensor | None]]
@@ -55,26 +51,6 @@ def _live_source(model: nn.Module) -> Source:
     return {name: (tuple(state[k].shape), state[k].dtype) for name, k in original.items()}, read
 
 
-def dcp_source(path: str, prefix: str = "model/") -> Source:
-    """The tensors under ``prefix`` of a ``save_checkpoint`` directory, read one at a time without running code."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .storage import SafeLoadPlanner, SafeReader
-
-    saved = SafeReader(path).read_metadata().state_dict_metadata
-    keys = {k.removeprefix(prefix): k for k, m in saved.items() if k.startswith(prefix)}
-    tensors = {n: saved[k] for n, k in keys.items() if isinstance(saved[k], TensorStorageMetadata)}
-    layout = {n: (tuple(meta.size), meta.properties.dtype) for n, meta in tensors.items()}
-
-    def read(name: str) -> torch.Tensor:
-        box = {keys[name]: torch.empty(layout[name][0], dtype=layout[name][1])}
-        load(box, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
-        return box[keys[name]]
-
-    return layout, read
-
-
 def _source(src: Any, pattern: str, verify: bool) -> Source:
     if isinstance(src, nn.Module):
         return _live_source(src)
@@ -82,6 +58,8 @@ def _source(src: Any, pattern: str, verify: bool) -> Source:
         return _dict_source(src.get("model", src))
     src = os.fspath(src)
     if os.path.isfile(os.path.join(src, ".metadata")):
+        from .dcp_load import dcp_source
+
         return dcp_source(src)
     if os.path.isdir(src):
         from .offline.shard_set import ShardSet
@@ -128,9 +106,8 @@ def require_transformers(what: str) -> Any:
     try:
         import transformers
     except ImportError as exc:
-        raise ImportError(
-            f"{what} needs transformers, which cannot be imported ({exc}); install it with: pip install 'torchacc[hf]'"
-        ) from exc
+        fix = "install it with: pip install 'torchacc[hf]'"
+        raise ImportError(f"{what} needs transformers, which cannot be imported ({exc}); {fix}") from exc
     return transformers
 
 
@@ -248,45 +225,61 @@ def _export(
     groups = list(_groups(layout, _parse_size(max_shard_size)))
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     names = names if len(names) > 1 else ["model.safetensors"]
-    writes = env.rank() == 0 or not isinstance(src, nn.Module)
-    staging = temp_path(output_dir)
+    writes, staging, failed = env.rank() == 0 or not isinstance(src, nn.Module), temp_path(output_dir), []
+
+    def attempt(write: Callable[..., Any], *args: Any) -> Any:
+        # after a failed write rank 0 goes on gathering with the other ranks; the error is raised at the end
+        if writes and not failed:
+            try:
+                return write(*args)
+            except Exception as exc:
+                failed.append(exc)
+        return None
+
     try:
-        if writes:
-            os.makedirs(staging)
-            config.save_pretrained(staging)
-            if getattr(src, "generation_config", None) is not None and src.can_generate():
-                src.generation_config.save_pretrained(staging)
+        attempt(_begin, staging, config, src)
         for name, keys in zip(names, groups, strict=True):
-            layout_here = {k: layout[k] for k in keys}
-            writer = StreamingSafetensorsWriter(os.path.join(staging, name), layout_here) if writes else None
+            writer = attempt(StreamingSafetensorsWriter, os.path.join(staging, name), {k: layout[k] for k in keys})
             for key in keys:
-                tensor = read(key)
+                tensor = read(key)  # a live model's: gathered on every rank, written on rank 0
                 if writer is not None:
-                    writer.write(key, tensor)
+                    attempt(writer.write, key, tensor)
             if writer is not None:
-                writer.close()
-        if not writes:
-            return output_dir
-        if len(groups) > 1:
-            total = sum(torch.Size(s).numel() * d.itemsize for s, d in layout.values())
-            weight_map = {k: n for n, ks in zip(names, groups, strict=True) for k in ks}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            with open(os.path.join(staging, _INDEX), "w") as f:
-                json.dump(index, f, indent=2)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        if os.path.isdir(output_dir) and os.listdir(output_dir):  # replace only the export's own files
-            stale = _weight_files(output_dir)
-            for name in sorted(os.listdir(staging)):
-                os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-                stale.discard(name)
-            for name in stale:
-                os.remove(os.path.join(output_dir, name))
-        else:
-            os.replace(staging, output_dir)
+                attempt(writer.close)
+        if failed:
+            raise failed[0]
+        if writes:
+            _finish(staging, output_dir, dict(zip(names, groups, strict=True)), layout, tokenizer)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output_dir
+
+
+def _begin(staging: str, config: Any, src: Any) -> None:
+    os.makedirs(staging)
+    config.save_pretrained(staging)
+    if getattr(src, "generation_config", None) is not None and src.can_generate():
+        src.generation_config.save_pretrained(staging)
+
+
+def _finish(staging: str, output_dir: str, files: dict[str, list[str]], layout: Layout, tokenizer: Any) -> None:
+    """Add the index and the tokenizer, then give the export its place: new, or over an earlier one's own files."""
+    if len(files) > 1:
+        total = sum(torch.Size(s).numel() * d.itemsize for s, d in layout.values())
+        weight_map = {key: name for name, keys in files.items() for key in keys}
+        with open(os.path.join(staging, _INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    if not (os.path.isdir(output_dir) and os.listdir(output_dir)):
+        os.replace(staging, output_dir)
+        return
+    stale = _weight_files(output_dir)  # from_pretrained would prefer a stale model.safetensors to a new index
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        stale.discard(name)
+    for name in stale:
+        os.remove(os.path.join(output_dir, name))
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:

@@ -16,11 +16,12 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .._utils.fs import describe_os_error
-from ..checkpoint.dcp import save_dcp, save_state
+from ..checkpoint.dcp import save_state
 from ..checkpoint.dcp_load import load_checkpoint, load_dcp, read_checkpoint
 from ..checkpoint.directory import require_latest
 from ..checkpoint.files import load, save
 from ..checkpoint.hf import export_hf
+from ..checkpoint.writing import save_dcp
 from ..distributed import collectives, env
 
 __all__ = ["StrategyCheckpointMixin"]
