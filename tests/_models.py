@@ -49,10 +49,18 @@ class Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
+class PureBlock(Block):
+    """A ``Block`` without the call counter, for compiled runs: inside activation checkpointing, dynamo cannot
+    trace a Python side effect (the counter), gives up on the whole block and leaves it eager."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
 class TinyNet(nn.Module):
-    def __init__(self, dim: int = 16, num_blocks: int = 3) -> None:
+    def __init__(self, dim: int = 16, num_blocks: int = 3, *, block_cls: type[Block] = Block) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList(block_cls(dim) for _ in range(num_blocks))
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,3 +91,46 @@ def tiny_llama(seed: int = 0, kind: str = "llama", **overrides):
     cfg.update(overrides)
     torch.manual_seed(seed)
     return model_cls(config_cls(**cfg))
+
+
+# Decoder families for the tensor-parallel tests: (config class, model class, settings beyond tiny_llama's).
+DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    # partial rotary, a "dense" output layer, fc1/fc2, and LayerNorms over head_dim inside the attention
+    "phi": ("PhiConfig", "PhiForCausalLM", {"qk_layernorm": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    # packed layers: self_attn.qkv_proj and mlp.gate_up_proj
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    # query_key_value: q, k and v fused, grouped per head
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+}
+
+
+def tiny_decoder(family: str, seed: int = 0, **overrides):
+    """A 2-layer decoder of ``family`` (a key of ``DECODERS``) with tiny_llama's sizes: 4 query and 2 key/value
+    heads of 16 dimensions, hidden size 64, vocabulary ``VOCAB``."""
+    import transformers
+
+    config_name, model_name, extra = DECODERS[family]
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    cfg.update(extra)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(getattr(transformers, config_name)(**cfg))

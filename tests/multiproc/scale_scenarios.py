@@ -2,22 +2,25 @@
 compile, meta-device init from checkpoints; the assertions live in test_scale.py."""
 
 import torch
-from _models import TinyNet, tiny_gpt2
+from _models import PureBlock, TinyNet, tiny_gpt2
 from scenarios import full_state, gpt2_config, train_gpt2
+from torch._dynamo.utils import counters
 
 import torchacc
 
 
 def tinynet_train(**extra) -> dict:
-    """TinyNet on 2-rank FSDP for a few SGD steps; eager and compiled runs are compared."""
+    """TinyNet on 2-rank FSDP for a few SGD steps; eager and compiled runs are compared, and dynamo's counters
+    say whether anything was compiled (a graph break inside a block would leave it eager)."""
     config = torchacc.Config()
     config.dist.fsdp.size = torchacc.dist.world_size()
-    config.dist.fsdp.wrap_layer_cls = {"Block"}
+    config.dist.fsdp.wrap_layer_cls = {"PureBlock"}
     for key, value in extra.items():
         section, name = key.split("__")
         setattr(getattr(config, section), name, value)
+    counters.clear()
     torch.manual_seed(0)
-    model = torchacc.accelerate(TinyNet(), config=config)
+    model = torchacc.accelerate(TinyNet(block_cls=PureBlock), config=config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(torchacc.dist.rank()))
     losses = []
@@ -27,7 +30,13 @@ def tinynet_train(**extra) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": full_state(model), "keys": sorted(model.state_dict())}
+    return {
+        "losses": losses,
+        "state": full_state(model),
+        "keys": sorted(model.state_dict()),
+        "num_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sorted(counters["graph_break"]),
+    }
 
 
 def fsdp_policies(**extra) -> dict:
@@ -41,6 +50,13 @@ def fsdp_policies(**extra) -> dict:
         "backward": [[position[id(s)] for s in state._states_to_backward_prefetch] for state in states],
         "reshards": [state._fsdp_param_group.post_forward_mesh_info is not None for state in states],
     }
+
+
+def post_forward_group_sizes(model: torch.nn.Module) -> list[int | None]:
+    """Per FSDP unit (blocks, then the root): how many ranks hold its parameters between forward and backward."""
+    units = [*model.transformer.h, model]
+    infos = [unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info for unit in units]
+    return [None if info is None else info.shard_mesh_size for info in infos]
 
 
 def two_rank_suite() -> dict:
@@ -59,7 +75,10 @@ def two_rank_suite() -> dict:
 
 
 def four_rank_suite() -> dict:
-    return {"reshard_to_2": train_gpt2(gpt2_config(fsdp=4, dist__fsdp__reshard_after_forward=2))}
+    config = gpt2_config(fsdp=4, dist__fsdp__reshard_after_forward=2)
+    model = torchacc.accelerate(tiny_gpt2(seed=0), config=config)
+    model(input_ids=torch.arange(16).unsqueeze(0))  # FSDP2 settles the root's policy at its first forward
+    return {"reshard_to_2": train_gpt2(config), "post_forward_group_sizes": post_forward_group_sizes(model)}
 
 
 def init_from(source: str, mode: str) -> dict:

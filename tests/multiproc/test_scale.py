@@ -46,6 +46,10 @@ def test_bfloat16_gradient_reduction_stays_close(two_ranks):
 
 def test_compiled_blocks_match_eager_and_keep_keys(two_ranks):
     for rank_result in two_ranks:
+        # equal numerics alone would also hold if nothing were compiled: count dynamo's graphs
+        assert rank_result["eager"]["num_graphs"] == 0
+        assert rank_result["compiled"]["num_graphs"] >= 1, "compute.compile=True compiled nothing"
+        assert rank_result["compiled"]["graph_breaks"] == [], "a graph break leaves part of a block eager"
         assert_runs_close(rank_result["eager"], rank_result["compiled"], atol=1e-5, rtol=1e-4)
         assert rank_result["compiled"]["keys"] == rank_result["eager"]["keys"]
         assert not [k for k in rank_result["compiled"]["keys"] if "_orig_mod" in k or "_checkpoint" in k]
@@ -54,6 +58,10 @@ def test_compiled_blocks_match_eager_and_keep_keys(two_ranks):
 def test_reshard_after_forward_to_groups_of_two_on_four_ranks(tmp_path):
     results = launch(f"{SCENARIOS}:four_rank_suite", 4, tmp_path)
     assert_parity([r["reshard_to_2"] for r in results])
+    # parity alone would also hold with reshard_after_forward=True: ask FSDP2 how many ranks share each unit's
+    # parameters after forward (the blocks and the root: an explicit policy applies to the root too)
+    for result in results:
+        assert result["post_forward_group_sizes"] == [2, 2, 2]
 
 
 @pytest.fixture(scope="module")

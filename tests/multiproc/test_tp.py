@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import launch
-from _models import TinyNet, tiny_llama, token_dataset
+from _models import TinyNet, tiny_decoder, token_dataset
 
 SCENARIOS = str(Path(__file__).with_name("tp_scenarios.py"))
 TOL = 5e-5
@@ -28,7 +28,7 @@ def four(tmp_path_factory):
 def _reference(kind: str, batches: list[list[list[int]]]) -> tuple[list[float], list[float], dict]:
     from tp_scenarios import LR, MAX_NORM
 
-    data, model = token_dataset(32), tiny_llama(seed=0, kind=kind)
+    data, model = token_dataset(32), tiny_decoder(kind, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(len(batches[0])):
@@ -42,7 +42,7 @@ def _reference(kind: str, batches: list[list[list[int]]]) -> tuple[list[float], 
     return losses, norms, model.state_dict()
 
 
-def _assert_parity(results: list[dict], kind: str = "llama") -> None:
+def _assert_parity(results: list[dict], kind: str = "llama", *, skip: tuple[str, ...] = ()) -> None:
     groups: dict[str, list[dict]] = {}
     for result in results:
         groups.setdefault(str(result["indices"]), []).append(result)
@@ -58,8 +58,9 @@ def _assert_parity(results: list[dict], kind: str = "llama") -> None:
         # one global norm, however the gradients are split (TP shards, FSDP shards, replicated norms)
         torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(norms), atol=TOL, rtol=1e-5)
         assert result["state"].keys() == state.keys()
-        worst = max((result["state"][k] - v).abs().max().item() for k, v in state.items())
-        assert worst < TOL, worst
+        diffs = {k: (result["state"][k] - v).abs().max().item() for k, v in state.items() if not k.endswith(skip)}
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < TOL, (worst, diffs[worst])
 
 
 def test_tp2_matches_one_process(two):
@@ -112,3 +113,68 @@ def test_replicas_of_a_tp_model_match_one_process(four):
     _assert_parity([r["dp2_tp2"] for r in four])
     placements = four[0]["dp2_tp2"]["placements"]
     assert placements["model.layers.0.mlp.down_proj.weight"][1] == ["dp", "fsdp", "tp"]
+
+
+@pytest.mark.parametrize("plan", ["dict", "auto"])
+def test_qwen3_norms_inside_the_split_attention_match_one_process(two, plan):
+    """q_norm/k_norm normalize each head: each rank sees only its own heads, and their gradients are summed."""
+    _assert_parity([r[f"qwen3_{plan}"] for r in two], kind="qwen3")
+    placements = two[0][f"qwen3_{plan}"]["placements"]
+    assert placements["model.layers.0.self_attn.q_norm.weight"] == (["Replicate()"], ["tp"])
+    assert two[0][f"qwen3_{plan}"]["partial_grads"] == [], "summed in backward, once"
+    assert "model.layers.0.input_layernorm.weight" not in placements, "a norm before the split keeps its gradient"
+
+
+def test_phi_layernorms_over_head_dim_match_one_process(two):
+    # k_layernorm.bias has no true gradient (softmax ignores a shift of every key alike): its gradient is rounding
+    # noise, which AdamW scales up to the learning rate, so it differs from one process however the sum is taken.
+    _assert_parity([r["phi_auto"] for r in two], kind="phi", skip=("k_layernorm.bias",))
+    assert two[0]["phi_auto"]["placements"]["model.layers.1.self_attn.q_layernorm.bias"] == (["Replicate()"], ["tp"])
+
+
+def test_phi3_auto_plan_gathers_its_packed_layers_and_matches_one_process(two):
+    _assert_parity([r["phi3_auto"] for r in two], kind="phi3")
+    placements = two[0]["phi3_auto"]["placements"]
+    assert placements["model.layers.0.mlp.gate_up_proj.weight"] == (["Shard(dim=0)"], ["tp"])
+    assert placements["model.layers.0.mlp.down_proj.weight"] == (["Shard(dim=1)"], ["tp"])
+
+
+def test_phi3_packed_layers_with_sequence_parallel_match_one_process(two):
+    _assert_parity([r["phi3_auto_sp"] for r in two], kind="phi3")
+
+
+def test_gpt_neox_fused_query_key_value_split_colwise_matches_one_process(two):
+    """GPT-NeoX groups q, k and v per head in query_key_value: a contiguous split gives each rank whole heads."""
+    _assert_parity([r["gpt_neox_auto"] for r in two], kind="gpt_neox")
+    placements = two[0]["gpt_neox_auto"]["placements"]
+    assert placements["gpt_neox.layers.0.attention.query_key_value.weight"] == (["Shard(dim=0)"], ["tp"])
+
+
+def test_dropout_keeps_the_tp_ranks_in_step_however_they_were_seeded(two):
+    first, second = (r["dropout"] for r in two)
+    assert first["dropout_on"] and second["dropout_on"]
+    assert first["whole"].keys() == second["whole"].keys()
+    assert "model.layers.0.input_layernorm.weight" in first["whole"]
+    for name, value in first["whole"].items():
+        assert torch.equal(value, second["whole"][name]), name
+
+
+def test_reseeding_the_tp_ranks_apart_after_accelerate_is_refused_at_the_first_forward(two):
+    for result in (r["reseeded"] for r in two):
+        assert result["first"].startswith("dist.tp: the ranks [0, 1] of one TP group reach their first training")
+        assert "torch.initial_seed() per rank: rank 0: 100, rank 1: 101" in result["first"]
+        assert result["later"] is None, "only the first training forward is checked"
+
+
+def test_sequence_parallel_refuses_an_uneven_sequence_on_every_rank(two):
+    for result in (r["sequence_15"] for r in two):
+        for error in result["errors"].values():
+            assert error.startswith("dist.tp.sequence_parallel=True splits each sequence over the dist.tp.size=2")
+            assert "this batch has sequence length 15, not a multiple of 2" in error
+        assert result["loss_after"] > 0
+
+
+def test_fsdp2_x_tp2_sums_the_gradients_of_norms_inside_the_split_attention(four):
+    _assert_parity([r["fsdp2_tp2_qwen3"] for r in four], kind="qwen3")
+    placements = four[0]["fsdp2_tp2_qwen3"]["placements"]
+    assert placements["model.layers.0.self_attn.k_norm.weight"] == (["Shard(dim=0)", "Replicate()"], ["fsdp", "tp"])

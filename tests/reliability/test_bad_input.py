@@ -110,6 +110,32 @@ def write_shard_set(
     return str(directory / name.format(rank="*", world="*"))
 
 
+def write_blocks(directory: Path, blocks: list[tuple[list[int], list[int]]], *, name: str = "r{rank}.pth") -> str:
+    """Hand-made per-rank files of one 4x2 tensor ``w`` cut into 2-D blocks: rank r holds ``blocks[r]`` =
+    (offset, local shape), its values taken from the full tensor; returns the files' glob."""
+    full = torch.arange(8.0).reshape(4, 2)
+    world = len(blocks)
+    for rank, (offset, local) in enumerate(blocks):
+        piece = full[offset[0] : offset[0] + local[0], offset[1] : offset[1] + local[1]]
+        piece = torch.cat([piece, torch.zeros(local[0] - piece.shape[0], piece.shape[1])])  # past the last row
+        entry = {"kind": "param", "shape": [4, 2], "dtype": "torch.float32", "placements": ["shard:0", "shard:1"]}
+        entry.update(offset=offset, local_shape=local)
+        mesh = {"shape": [world], "dim_names": ["fsdp"], "coordinate": [rank]}
+        entry["mesh"] = {"shape": [1, world], "dim_names": ["fsdp", "tp"], "coordinate": [0, rank]}
+        meta = {"format": FORMAT, "world_size": world, "rank": rank, "mesh": mesh, "tensors": {"w": entry}}
+        torch.save({"model": {"w": piece.clone()}, "shard_metadata": meta}, directory / name.format(rank=rank))
+    return str(directory / name.format(rank="*"))
+
+
+def consolidate_blocks(*blocks: tuple[list[int], list[int]]) -> Callable[[Ctx], Any]:
+    return lambda ctx: torchacc.consolidate(write_blocks(ctx.tmp, list(blocks)))
+
+
+def reshard_overlapping_rows(ctx: Ctx) -> None:
+    write_blocks(ctx.tmp, [([0, 0], [2, 2]), ([1, 0], [2, 2])], name="rank-{rank}-of-2-model.pth")
+    torchacc.reshard_checkpoint(ctx.tmp, ctx.tmp / "re", num_shards=1)
+
+
 def consolidate_shards(ranks: dict[int, int]) -> Callable[[Ctx], Any]:
     return lambda ctx: torchacc.consolidate(write_shard_set(ctx.tmp, ranks))
 
@@ -586,6 +612,39 @@ CASES = [
         "mixed world sizes: .* is from a 2-rank run but .* is from a 1-rank run; keep one run's files per directory",
         consolidate_shards({0: 2, 1: 1}),
     ),
+    # tiling: pieces that add up to the right volume inside the bounds, but overlap and so leave a gap
+    Case(
+        "shard-set-overlapping-rows",
+        ValueError,
+        r"w: the pieces in .*r0\.pth \(block \[0:2, 0:2\]\) and .*r1\.pth \(block \[1:3, 0:2\]\) overlap on "
+        r"\[1:2, 0:2\].*re-save the shards",
+        consolidate_blocks(([0, 0], [2, 2]), ([1, 0], [2, 2])),
+    ),
+    Case(
+        "shard-set-overlapping-2d-blocks",
+        ValueError,
+        r"w: the pieces in .*r1\.pth \(block \[0:2, 1:2\]\) and .*r3\.pth \(block \[1:3, 1:2\]\) overlap on "
+        r"\[1:2, 1:2\]",
+        consolidate_blocks(([0, 0], [2, 1]), ([0, 1], [2, 1]), ([2, 0], [2, 1]), ([1, 1], [2, 1])),
+    ),
+    Case(
+        "shard-set-gap-behind-a-replica",
+        ValueError,
+        r"w: no piece in .* covers \[3:4, 0:2\] of its full shape \[4, 2\].*re-save the shards",
+        consolidate_blocks(([0, 0], [2, 2]), ([0, 0], [2, 2]), ([2, 0], [1, 2])),
+    ),
+    Case(
+        "shard-set-piece-outside-the-tensor",
+        ValueError,
+        r"w: the piece in .*r1\.pth \(block \[3:5, 0:2\]\) reaches outside its full shape \[4, 2\]",
+        consolidate_blocks(([0, 0], [2, 2]), ([3, 0], [2, 2])),
+    ),
+    Case(
+        "reshard-overlapping-rows",
+        ValueError,
+        r"w: the pieces in .*rank-0-of-2-model\.pth \(block \[0:2, 0:2\]\) and .*rank-1-of-2-model\.pth",
+        reshard_overlapping_rows,
+    ),
     Case(
         "shard-set-no-files",
         ValueError,
@@ -775,6 +834,9 @@ def test_bad_input_is_named_with_a_fix(case, tmp_path, monkeypatch):
 def test_a_consistent_hand_made_shard_set_consolidates(tmp_path):
     """The shard-set cases above fail for the reason named, not because the hand-made files are malformed."""
     full = torchacc.consolidate(write_shard_set(tmp_path, {0: 2, 1: 2}))["model"]
+    assert torch.equal(full["w"], torch.arange(8.0).reshape(4, 2))
+    grid = [([0, 0], [2, 1]), ([0, 1], [2, 1]), ([2, 0], [2, 1]), ([2, 1], [2, 1]), ([0, 1], [2, 1])]  # a replica
+    full = torchacc.consolidate(write_blocks(tmp_path, grid, name="grid{rank}.pth"))["model"]
     assert torch.equal(full["w"], torch.arange(8.0).reshape(4, 2))
 
 

@@ -4,12 +4,23 @@ import re
 import warnings
 
 import pytest
+import torch
 import torch.nn as nn
-from _models import TinyNet, tiny_gpt2, tiny_llama
+from _models import TinyNet, tiny_decoder, tiny_gpt2, tiny_llama
 
 import torchacc
 from torchacc.distributed.mesh import data_parallel_rank
 from torchacc.parallel.tp import resolve_tp_plan
+from torchacc.parallel.tp_rng import check_rng_states
+from torchacc.parallel.tp_sequence import check_sequence_length
+
+DECODER_PLAN = {
+    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
 
 
 def test_auto_plan_takes_the_hugging_face_plan_in_module_order():
@@ -99,8 +110,20 @@ def test_sequence_parallel_needs_blocks():
 
 
 def test_sequence_parallel_needs_an_output_layer_that_gathers():
-    plan = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    plan = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise"}
+    plan["model.layers.*.mlp.down_proj"] = "rowwise"
     with pytest.raises(ValueError, match=r"the output layer must gather them: add it to dist.tp.plan as "):
+        resolve_tp_plan(tiny_llama(), plan, size=2, sequence_parallel=True)
+
+
+def test_sequence_parallel_refuses_a_module_that_would_see_this_ranks_tokens_only():
+    """An attention-only plan (the MLP, or an MoE, left to FSDP) is exact without sequence parallelism; with it, the
+    MLP runs on 1/tp of the tokens and each rank would keep only their share of its gradient."""
+    plan = {f"model.layers.*.self_attn.{n}_proj": "colwise" for n in "qkv"}
+    plan.update({"model.layers.*.self_attn.o_proj": "rowwise", "lm_head": "colwise_gather_output"})
+    resolve_tp_plan(tiny_llama(), plan, size=2)  # exact without sequence parallelism
+    message = "model.layers.0.mlp.gate_proj (a Linear with parameters) sits inside the blocks but outside dist.tp.plan"
+    with pytest.raises(ValueError, match=re.escape(message) + ".*or set dist.tp.sequence_parallel=False"):
         resolve_tp_plan(tiny_llama(), plan, size=2, sequence_parallel=True)
 
 
@@ -178,3 +201,218 @@ def test_plain_python_with_tp_says_how_to_launch(monkeypatch):
         ),
     ):
         torchacc.accelerate(tiny_llama(), config=config)
+
+
+def _region(styles: dict[str, str]) -> list[str]:
+    return [name for name, style in styles.items() if style == "replicated_with_grad_allreduce"]
+
+
+@pytest.mark.parametrize(
+    ("family", "plan", "expected"),
+    [
+        ("llama", DECODER_PLAN, []),
+        ("qwen2", "auto", []),
+        ("mistral", "auto", []),
+        ("gemma", "auto", []),
+        ("gemma2", "auto", []),
+        ("qwen3", DECODER_PLAN, ["self_attn.q_norm", "self_attn.k_norm"]),  # found without being named
+        ("qwen3", "auto", ["self_attn.q_norm", "self_attn.k_norm"]),  # named by the model's own plan
+        ("gemma3", DECODER_PLAN, ["self_attn.q_norm", "self_attn.k_norm"]),
+        ("phi", "auto", ["self_attn.q_layernorm", "self_attn.k_layernorm"]),
+        ("phi3", "auto", []),  # its packed layers gather their output: nothing runs split
+        ("gpt_neox", "auto", []),  # query_key_value groups q, k, v per head: colwise is right, not refused
+    ],
+)
+def test_norms_inside_the_split_region_sum_their_gradients_and_no_others(family, plan, expected):
+    styles = resolve_tp_plan(tiny_decoder(family), plan, size=2).styles
+    assert _region(styles) == [f"model.layers.{i}.{name}" for i in range(2) for name in expected]
+    assert not [n for n in styles if n.endswith("input_layernorm")], (
+        "a norm before the colwise layers keeps its gradient"
+    )
+
+
+class _Attention(nn.Module):
+    """A module holding colwise layers, with a norm of its input width before them (a pre-norm)."""
+
+    def __init__(self, dim: int = 16, head_dim: int = 4, down: bool = False, scale: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.head_norm = nn.RMSNorm(head_dim)
+        self.o = nn.Linear(dim, dim)
+        if down:  # DeepSeek's MLA: a low-rank projection feeding the region
+            self.q_a_proj = nn.Linear(dim, dim)
+        if scale:
+            self.scale = nn.Parameter(torch.ones(head_dim))
+
+
+class _Block(nn.Module):
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.attn = _Attention(**kwargs)
+        self.norm = nn.LayerNorm(16)  # a block's own norm: the residual stream
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+
+def _blocks(**kwargs) -> nn.Module:
+    model = nn.Module()
+    model.layers = nn.ModuleList(_Block(**kwargs) for _ in range(2))
+    return model
+
+
+def _glu() -> nn.Module:
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.mlp = nn.Module()
+        layer.mlp.w13, layer.mlp.w2 = nn.Linear(16, 128), nn.Linear(64, 16)
+    return model
+
+
+_BLOCK_PLAN = {
+    "layers.*.attn.q": "colwise",
+    "layers.*.attn.o": "rowwise",
+    "layers.*.fc1": "colwise",
+    "layers.*.fc2": "rowwise",
+}
+
+
+def test_the_region_is_read_from_the_module_structure():
+    styles = resolve_tp_plan(_blocks(), _BLOCK_PLAN, size=2).styles
+    assert _region(styles) == ["layers.0.attn.head_norm", "layers.1.attn.head_norm"]
+    assert "layers.0.attn.norm" not in styles, "a norm as wide as the module's input runs before the colwise layers"
+    assert "layers.0.norm" not in styles, "a block holding colwise layers itself holds the residual stream"
+
+
+def test_a_plan_may_name_the_region_itself():
+    plan = {**_BLOCK_PLAN, "layers.*.attn.q_a_proj": "replicate", "layers.*.norm": "replicated_with_grad_allreduce"}
+    styles = resolve_tp_plan(_blocks(down=True), plan, size=2).styles
+    assert styles["layers.1.attn.q_a_proj"] == "replicate"
+    assert _region(styles) == [f"layers.{i}.{n}" for i in range(2) for n in ("attn.head_norm", "norm")]
+
+
+@pytest.mark.parametrize(
+    ("build", "plan", "message"),
+    [
+        (
+            lambda: _blocks(down=True),
+            _BLOCK_PLAN,
+            "dist.tp.plan: layers.0.attn.q_a_proj (a Linear) sits inside layers.0.attn, which holds the 'colwise' "
+            "layer(s) layers.0.attn.q, and the plan leaves it whole; torchacc cannot tell",
+        ),
+        (
+            lambda: _blocks(scale=True),
+            _BLOCK_PLAN,
+            "dist.tp.plan: layers.0.attn.scale is a parameter of layers.0.attn itself, which holds the 'colwise' layer",
+        ),
+        (
+            lambda: tiny_decoder("qwen3", head_dim=64),  # q_norm as wide as the hidden size: before q_proj, or not?
+            DECODER_PLAN,
+            "dist.tp.plan: model.layers.0.self_attn.q_norm (a Qwen3RMSNorm over 64 features, as many as the input "
+            "and a head) sits inside model.layers.0.self_attn",
+        ),
+        (
+            tiny_llama,
+            {**DECODER_PLAN, "model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+            "dist.tp.plan: model.layers.0.mlp.act_fn is a SiLUActivation with no parameters of its own; "
+            "'replicated_with_grad_allreduce' keeps the parameters of one module whole",
+        ),
+        (
+            lambda: tiny_decoder("phi3"),
+            {"model.layers.*.mlp.gate_up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"},
+            "dist.tp.plan: model.layers.0.mlp.gate_up_proj looks like a packed layer, several projections stacked in "
+            "one weight (its name 'gate_up_proj' is that of a packed layer); 'colwise' would give each rank a "
+            "contiguous block of its rows",
+        ),
+        (
+            lambda: tiny_decoder("phi3"),
+            {"model.layers.*.self_attn.qkv_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
+            "Use 'colwise_gather_output' for model.layers.0.self_attn.qkv_proj and 'rowwise_split_input' for the "
+            "layer that reads its output (model.layers.0.self_attn.o_proj)",
+        ),
+        (
+            _glu,  # a gate and an up projection in one Linear, by its shape
+            {"layers.*.mlp.w13": "colwise", "layers.*.mlp.w2": "rowwise"},
+            "dist.tp.plan: layers.0.mlp.w13 looks like a packed layer, several projections stacked in one weight "
+            "(out_features=128 is twice the in_features of layers.0.mlp.w2)",
+        ),
+        (
+            lambda: tiny_decoder("phi3"),
+            {"model.layers.*.mlp.gate_up_proj": "packed_colwise"},
+            "dist.tp.plan['model.layers.*.mlp.gate_up_proj']='packed_colwise' (a layer holding several projections) "
+            "is not supported; use 'colwise_gather_output' for the packed layer and 'rowwise_split_input'",
+        ),
+    ],
+)
+def test_what_the_structure_cannot_settle_is_refused_with_the_style_to_name(build, plan, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_tp_plan(build(), plan, size=2)
+
+
+class _Lookup(nn.Embedding):
+    """TorchTitan-style: the lookup on the weight's local tensor."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        return nn.functional.embedding(ids, weight)
+
+
+class _Scaled(nn.Embedding):
+    """Gemma-style: post-processes nn.Embedding's own lookup."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 2.0
+
+
+def _with_embedding(cls: type[nn.Embedding]) -> nn.Module:
+    model = TinyNet()
+    model.embed = cls(32, 16)
+    return model
+
+
+@pytest.mark.parametrize("style", ["embedding_rowwise", "rowwise"])
+def test_an_embedding_with_its_own_lookup_is_refused(style):
+    message = (
+        "dist.tp.plan: embed is a _Lookup, an nn.Embedding subclass whose forward (_Lookup.forward) works on a local "
+        f"tensor (to_local); '{style}' splits the vocabulary"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_tp_plan(_with_embedding(_Lookup), {"embed": style}, size=2)
+
+
+def test_an_embedding_that_scales_its_own_lookup_is_split():
+    assert resolve_tp_plan(_with_embedding(_Scaled), {"embed": "embedding_rowwise"}, size=2).styles == {
+        "embed": "embedding_rowwise"
+    }
+    assert resolve_tp_plan(tiny_decoder("gemma"), "auto", size=2).styles["model.embed_tokens"] == "embedding_rowwise"
+
+
+def test_a_sequence_the_tp_ranks_cannot_split_evenly_is_refused():
+    check_sequence_length(16, size=2)
+    message = (
+        "dist.tp.sequence_parallel=True splits each sequence over the dist.tp.size=2 ranks of a TP group, but this "
+        "batch has sequence length 15, not a multiple of 2; pad the batches to a multiple of 2"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_sequence_length(15, size=2)
+
+
+def test_tp_ranks_with_different_random_states_are_refused():
+    check_rng_states([((0, 1), 7, 100), ((0, 1), 7, 101), ((2, 3), 8, 102), ((2, 3), 8, 103)])  # same states
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "dist.tp: the ranks [2, 3] of one TP group reach their first training forward with different random "
+            "generator states (different seeds; torch.initial_seed() per rank: rank 2: 102, rank 3: 103)"
+        ),
+    ):
+        check_rng_states([((0, 1), 7, 100), ((0, 1), 7, 100), ((2, 3), 8, 102), ((2, 3), 9, 103)])
+    with pytest.raises(ValueError, match=r"\(the same seed, but some ranks drew more random numbers since;"):
+        check_rng_states([((0, 1), 7, 100), ((0, 1), 8, 100)])
+
+
+def test_sequence_parallel_gathers_the_tokens_for_a_module_of_packed_layers():
+    styles = resolve_tp_plan(tiny_decoder("phi3"), "auto", size=2, sequence_parallel=True).styles
+    assert styles["model.layers.0.self_attn"] == styles["model.layers.1.mlp"] == "gather_sequence"
+    assert styles["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
+    assert styles["model.layers.0.mlp.down_proj"] == "rowwise_split_input"

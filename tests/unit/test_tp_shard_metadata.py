@@ -4,16 +4,21 @@ The round trips of real TP and FSDP x TP runs are in tests/multiproc/test_tp_che
 refusals, on a world of one rank where a DTensor can be built without launching processes.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchacc.checkpoint import state
 from torchacc.checkpoint.offline._checks import check_metadata
+from torchacc.checkpoint.offline._tiling import check_tiling
+from torchacc.checkpoint.offline.shard_set import TensorItem
 
 
 @pytest.fixture
@@ -91,3 +96,63 @@ def test_a_full_tensor_is_cut_to_a_strided_block(mesh):
     converted = state.dtensor_like(target, full)
     assert converted.placements == target.placements and torch.equal(converted.to_local(), full)
     assert converted.to_local().data_ptr() != full.data_ptr(), "a copy: assign=True must not pin the full tensor"
+
+
+def layout_blocks(shape, mesh_shape, placements) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Every rank's (file, offset, local shape) of a DTensor layout, from DTensor's own arithmetic."""
+    blocks = []
+    for rank, coordinate in enumerate(itertools.product(*map(range, mesh_shape))):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        blocks.append((f"rank{rank}.pth", offset, local))
+    return blocks
+
+
+def item(*shape: int) -> TensorItem:
+    return TensorItem(("w",), ("w",), tuple(shape), torch.float32, "w")
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "placements"),
+    [
+        ((5, 3), (4,), [Shard(0)]),  # uneven: rows 2, 2, 1 and an empty piece
+        ((6, 10), (2, 3), [Shard(0), Shard(1)]),  # FSDP x TP on two dims, uneven columns
+        ((8, 4), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # FSDP over a TP shard of dim 0
+        ((2, 6, 4, 7), (2, 2, 3), [Replicate(), Shard(1), Shard(3)]),  # HSDP replicas, 4 dims
+        ((3, 9, 2), (2, 2, 2), [Shard(2), Shard(0), Shard(1)]),
+    ],
+)
+def test_dtensor_layouts_tile_exactly(shape, mesh_shape, placements):
+    check_tiling(item(*shape), layout_blocks(shape, mesh_shape, placements), "ckpt")
+
+
+def test_tiling_is_checked_without_building_the_tensor():
+    # a 2**40 x 2**30 tensor (4 EiB in float32) on a 64 x 64 FSDP x TP grid: only the 4096 blocks are looked at
+    shape, rows, cols = (2**40, 2**30), 2**34, 2**24
+    blocks = [(f"rank{64 * i + j}.pth", (i * rows, j * cols), (rows, cols)) for i in range(64) for j in range(64)]
+    check_tiling(item(*shape), blocks, "ckpt")
+    path, (row, col), (rows, cols) = blocks[-1]
+    blocks[-1] = (path, (row - 1, col), (rows, cols))  # one row up: overlaps its neighbour, leaves the last row
+    with pytest.raises(ValueError, match=rf"w: the pieces in rank4031.pth .* and rank4095.pth \(block \[{row - 1}:"):
+        check_tiling(item(*shape), blocks, "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("blocks", "problem"),
+    [
+        # pieces that cover all 24 elements of [4, 6] inside the bounds: the volume alone cannot tell
+        ([((0, 0), (2, 6)), ((1, 0), (2, 6))], r"overlap on \[1:2, 0:6\]"),
+        ([((0, 0), (4, 3)), ((0, 2), (4, 3))], r"overlap on \[0:4, 2:3\]"),
+        ([((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 6)), ((2, 0), (2, 3))], r"overlap on \[2:4, 0:3\]"),
+        ([((0, 0), (4, 6)), ((0, 0), (4, 6))], None),  # replicas
+        ([((0, 0), (2, 6)), ((2, 0), (1, 6))], r"no piece in ckpt covers \[3:4, 0:6\]"),
+        ([((0, 0), (4, 2)), ((0, 4), (4, 2))], r"no piece in ckpt covers \[0:4, 2:4\]"),
+        ([((0, 0), (4, 6)), ((4, 0), (0, 6))], None),  # an empty piece past the end, as DTensor places one
+    ],
+)
+def test_overlaps_and_gaps_are_found_in_any_dim(blocks, problem):
+    pieces = [(f"rank{r}.pth", offset, local) for r, (offset, local) in enumerate(blocks)]
+    if problem is None:
+        check_tiling(item(4, 6), pieces, "ckpt")
+        return
+    with pytest.raises(ValueError, match=rf"^w: .*{problem}"):
+        check_tiling(item(4, 6), pieces, "ckpt")

@@ -98,6 +98,9 @@ class FSDPConfig(Node):
     """A consolidated ``.pth`` file or a Hugging Face directory (safetensors) to load the weights from, after
     sharding: each rank reads only its slices (where only rank 0 can read it, rank 0 sends each tensor). Fills a
     model built with ``torchacc.init_empty_weights()``, and replaces the weights of a model built normally.
+    Every tensor must have the model's shape, or every rank raises a ValueError naming the key, both shapes and
+    the file, before any rank loads; a floating-point tensor may have another floating-point dtype and is
+    converted to the model's (a bfloat16 checkpoint into a float32 model), any other dtype difference is refused.
     None: a meta-device model gets its own init (``reset_parameters``, or the Hugging Face init)."""
 
 
@@ -112,8 +115,9 @@ class TPConfig(Node):
     plan: str | dict[str, str] = "auto"
     """Which module gets which split: "auto" takes a Hugging Face model's own plan (``model.tp_plan``, from
     ``config.base_model_tp_plan``); otherwise a mapping of module-name patterns (``*`` matches one name, e.g.
-    ``"layers.*.mlp.up_proj"``) to "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise" or
-    "sequence_parallel". See docs/tensor_parallel.md."""
+    ``"layers.*.mlp.up_proj"``) to "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+    "embedding_rowwise", "replicated_with_grad_allreduce", "replicate" or "sequence_parallel". Norms inside the
+    split layers (Qwen3's q_norm) are found without being named. See docs/tensor_parallel.md."""
     sequence_parallel: bool = False
     """Also split the activations between the TP layers along the sequence dimension (norms and residuals run
     on 1/tp of the tokens): less activation memory, the same communication volume."""

@@ -45,6 +45,9 @@ from .meta_init import materialize
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
 from .tp import apply_tp
+from .tp_region import sum_replicated_grads
+from .tp_rng import check_rng_at_first_forward, sync_rng
+from .tp_sequence import install_sequence_check
 
 __all__ = ["ParallelizeFn", "shard_model", "remap_optimizer"]
 
@@ -100,8 +103,11 @@ def shard_model(
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
+    tp_mesh = tp_submesh(mesh)
+    if tp_mesh is not None:
+        sync_rng(tp_mesh, device=device)  # see [Note: one random stream per TP group] in tp_rng.py
     if plan.tp is not None and parallelize_fn is None:
-        apply_tp(model, tp_submesh(mesh), plan.tp)
+        apply_tp(model, tp_mesh, plan.tp)
     shard_mesh = fsdp_submesh(mesh)
     checkpointing = layout.checkpointing
     if checkpointing is not None:
@@ -153,6 +159,11 @@ def shard_model(
                 sync_module_states=layout.sync_module_states and init_from is None,
                 broadcast_buffers=layout.broadcast_buffers,
             )
+    if tp_mesh is not None:  # the checks go in front of FSDP's hooks: nothing has communicated yet
+        sum_replicated_grads(model)
+        check_rng_at_first_forward(model, tp_mesh, device=device)
+        if plan.tp is not None and plan.tp.sequence_parallel and parallelize_fn is None:
+            install_sequence_check(model, size=tp_mesh.size())
     # The parameters that TP or sharding replaced: an optimizer still holding one is remapped (optimizer=) or
     # fails at its first step instead of training nothing.
     record_replaced(originals, model)

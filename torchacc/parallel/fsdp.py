@@ -136,7 +136,8 @@ def wrap_fsdp(
         layer_classes: module classes to make units of (resolve names with ``resolve_module_classes``).
         mp_policy: FSDP2 mixed precision; defaults to the parameters' own dtype with float32 reduction.
         reshard_after_forward: free gathered parameters after forward (True), keep them for backward
-            (False), or reshard to groups of that many ranks (int). The root keeps them (FSDP2's choice).
+            (False), or reshard to groups of that many ranks (int). The root follows it too (FSDP2 keeps the
+            root gathered only under its own default, None).
         offload_policy: e.g. ``CPUOffloadPolicy()`` to keep shards in CPU memory (CUDA runs).
         forward_prefetch: explicitly all-gather the next N units during forward (0: FSDP2's default).
         backward_prefetch: explicitly all-gather the next N units during backward (0: FSDP2's default).

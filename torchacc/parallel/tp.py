@@ -4,24 +4,19 @@
 ``apply_tp`` calls ``parallelize_module`` on the ``tp`` mesh, before activation checkpointing and
 ``fully_shard`` (TorchTitan's order).
 
-[Note: sequence parallelism] With ``sequence_parallel`` the residual stream between the first TP block
-and the final norm holds 1/tp of the tokens: the input of the first block is split along the sequence
-(a local slice, no communication), norms run on the local tokens (``SequenceParallel``), the module
-that holds ``colwise`` layers (attention, MLP) all-gathers the tokens once on entry, as a replicated
-DTensor (so its own shape arithmetic sees the full sequence and the backward reduce-scatters), and
-every ``rowwise`` layer reduce-scatters its output (instead of an all-reduce). Embeddings, attention
-masks and position ids are built on the full sequence before the split, which keeps Hugging Face
-models working unchanged.
+Sequence parallelism is in tp_sequence.py ([Note: sequence parallelism]). Which parameters of the plan's
+modules stay whole but need their gradient summed over the TP group, and which layers must not be split
+``colwise``, is in tp_region.py ([Note: the split region]); the TP ranks' random numbers in tp_rng.py.
 """
 
+import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -32,15 +27,18 @@ from torch.distributed.tensor.parallel import (
 
 from .._utils.logging import warn_once
 from .._utils.tied import retie, tied_names
+from .tp_region import add_region_styles, check_packed_layers
+from .tp_sequence import COLWISE_SEQ, GATHER, SPLIT, add_sequence_parallel, gather_sequence, sequence_check
 
 __all__ = ["STYLES", "TPPlan", "resolve_tp_plan", "apply_tp"]
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "sequence_parallel")
-_ALIASES = {"colwise_rep": "colwise_gather_output", "local_colwise": "colwise", "local_rowwise": "rowwise"}
-# internal styles of [Note: sequence parallelism]
-_SPLIT = "split_sequence"  # the input of the first TP block: keep this rank's tokens
-_GATHER = "gather_sequence"  # the input of an attention or MLP module: all-gather the tokens (as a DTensor)
-_COLWISE_SEQ = "colwise_sequence"  # a colwise layer whose parent gathers nothing: it all-gathers itself
+# the styles that split a weight, then those that keep it whole
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise")
+STYLES += ("replicated_with_grad_allreduce", "replicate", "sequence_parallel")
+# transformers' names for some of them
+_ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+_ALIASES |= {"local_colwise": "colwise", "local_rowwise": "rowwise"}
+_EMBEDDING = "embedding_rowwise"
 
 
 @dataclass(frozen=True)
@@ -53,10 +51,6 @@ class TPPlan:
 
 def _pattern(pattern: str) -> re.Pattern[str]:
     return re.compile("".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", pattern)))
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
 def _raw_plan(model: nn.Module, plan: str | Mapping[str, str]) -> dict[str, str]:
@@ -72,6 +66,26 @@ def _raw_plan(model: nn.Module, plan: str | Mapping[str, str]) -> dict[str, str]
     return dict(auto)
 
 
+_SUPER_FORWARD = re.compile(r"super\([^)]*\)\.forward\(")
+
+
+def _own_lookup(cls: type[nn.Module]) -> str | None:
+    """Why ``cls`` (an nn.Embedding subclass) does its own lookup, or None when every forward it overrides only
+    post-processes ``super().forward(...)`` (Gemma's scaled embeddings) without touching local tensors."""
+    for klass in cls.__mro__[: cls.__mro__.index(nn.Embedding)]:
+        if "forward" not in vars(klass):
+            continue
+        try:
+            source = inspect.getsource(vars(klass)["forward"])
+        except (OSError, TypeError):
+            return f"({klass.__name__}.forward) has no source to inspect"
+        if "to_local" in source or "_local_tensor" in source:
+            return f"({klass.__name__}.forward) works on a local tensor (to_local)"
+        if not _SUPER_FORWARD.search(source):
+            return f"({klass.__name__}.forward) does not look the ids up through super().forward"
+    return None
+
+
 def _check_module(name: str, module: nn.Module, style: str, size: int) -> None:
     kind = type(module).__name__
     if kind == "Conv1D":
@@ -79,13 +93,31 @@ def _check_module(name: str, module: nn.Module, style: str, size: int) -> None:
             f"dist.tp.plan: {name} is a transformers Conv1D (GPT-2 style, weight stored transposed), which has no "
             "tensor-parallel style; use FSDP for this model (dist.tp.size=1), or replace Conv1D by nn.Linear"
         )
-    if style == "sequence_parallel":
+    if style in ("sequence_parallel", "replicate"):
         return
-    if style == "embedding_rowwise" or (style == "rowwise" and isinstance(module, nn.Embedding)):
+    if style == "replicated_with_grad_allreduce":
+        own = any(True for _ in module.parameters(recurse=False))
+        if not own or any(True for child in module.children() for _ in child.parameters()):
+            has = "parameters in its submodules" if own else "no parameters of its own"
+            raise ValueError(
+                f"dist.tp.plan: {name} is a {kind} with {has}; 'replicated_with_grad_allreduce' keeps the "
+                "parameters of one module whole (a norm) and sums their gradients over the TP ranks: point the "
+                "pattern at the module that holds them"
+            )
+        return
+    if style == _EMBEDDING or (style == "rowwise" and isinstance(module, nn.Embedding)):
         if not isinstance(module, nn.Embedding):
             raise ValueError(
                 f"dist.tp.plan: {name} is a {kind}, but 'embedding_rowwise' splits an nn.Embedding; use 'colwise' or "
                 "'rowwise' for an nn.Linear"
+            )
+        if reason := _own_lookup(type(module)):
+            raise ValueError(
+                f"dist.tp.plan: {name} is a {kind}, an nn.Embedding subclass whose forward {reason}; '{style}' splits "
+                "the vocabulary and needs the lookup to run in nn.Embedding.forward on the split (DTensor) weight, "
+                "which a forward of its own bypasses (it fails inside DTensor, or reads only this rank's rows); "
+                "leave it out of dist.tp.plan (it stays whole over the TP ranks, and FSDP shards it), or use "
+                "nn.Embedding"
             )
         if module.num_embeddings % size:
             raise ValueError(
@@ -98,9 +130,10 @@ def _check_module(name: str, module: nn.Module, style: str, size: int) -> None:
             f"dist.tp.plan: {name} is a {kind}; style {style!r} splits nn.Linear layers (and 'embedding_rowwise' an "
             "nn.Embedding): point the pattern at the Linear layers inside it"
         )
-    features = module.in_features if style == "rowwise" else module.out_features
+    rowwise = style in ("rowwise", "rowwise_split_input")
+    features = module.in_features if rowwise else module.out_features
     if features % size:
-        what = "in_features" if style == "rowwise" else "out_features"
+        what = "in_features" if rowwise else "out_features"
         raise ValueError(
             f"dist.tp.plan: {name} ({style}) has {what}={features}, not divisible by dist.tp.size={size}; choose a "
             "TP size that divides it, or leave this module out of the plan"
@@ -121,9 +154,9 @@ def _check_heads(model: nn.Module, size: int) -> None:
 
 def _weight_split(module: nn.Module, style: str | None) -> int | None:
     """The dimension of ``module.weight`` that ``style`` splits (None: kept whole)."""
-    if style in ("colwise", "colwise_gather_output", "embedding_rowwise"):
+    if style in ("colwise", "colwise_gather_output", _EMBEDDING):
         return 0
-    if style == "rowwise":
+    if style in ("rowwise", "rowwise_split_input"):
         return 0 if isinstance(module, nn.Embedding) else 1
     return None
 
@@ -148,44 +181,6 @@ def _check_ties(model: nn.Module, styles: dict[str, str], *, auto: bool) -> dict
     return styles
 
 
-def _add_sequence_parallel(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
-    """The plan with the norms and the sequence split of [Note: sequence parallelism] added."""
-    blocks = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and any(s.startswith(f"{name}.") for s in styles):
-            blocks = (name, module)
-            break
-    if blocks is None or len(blocks[1]) == 0:
-        raise ValueError(
-            "dist.tp.sequence_parallel=True needs the TP layers inside a list of blocks (an nn.ModuleList such as "
-            f"model.layers); none of {type(model).__name__}'s module lists holds a module of dist.tp.plan"
-        )
-    list_name, _ = blocks
-    heads = [n for n, style in styles.items() if style == "colwise_gather_output" and not n.startswith(list_name)]
-    if not heads:
-        raise ValueError(
-            "dist.tp.sequence_parallel=True leaves each rank with its own tokens after the last block, so the output "
-            "layer must gather them: add it to dist.tp.plan as 'colwise_gather_output' (e.g. 'lm_head': "
-            "'colwise_gather_output'), or set dist.tp.sequence_parallel=False"
-        )
-    parent = list_name.rpartition(".")[0]
-    extra = {f"{list_name}.0": _SPLIT}
-    for name, style in styles.items():
-        holder = name.rpartition(".")[0]
-        if style == "colwise" and name.startswith(f"{list_name}."):
-            # the holder is a block itself when the colwise layer sits directly in it: gather in the layer then
-            block_level = holder.count(".") == list_name.count(".") + 1
-            extra[name] = _COLWISE_SEQ if block_level else "colwise"
-            if not block_level:
-                extra[holder] = _GATHER
-    for name, module in model.named_modules():
-        inside = name.startswith(f"{list_name}.")
-        after = name.rpartition(".")[0] == parent and not inside and name != list_name
-        if _is_norm(module) and (inside or after):
-            extra[name] = "sequence_parallel"
-    return {**styles, **extra}
-
-
 def resolve_tp_plan(
     model: nn.Module, plan: str | Mapping[str, str], *, size: int, sequence_parallel: bool = False
 ) -> TPPlan:
@@ -203,13 +198,20 @@ def resolve_tp_plan(
     Raises:
         ValueError: no plan for the model, an unknown style, a pattern that matches no module (the message
             lists the model's Linear layers), a module that the style cannot split or whose size (or the
-            model's attention heads) ``size`` does not divide.
+            model's attention heads) ``size`` does not divide, a packed layer marked ``colwise``, a module
+            whose place in the split region the structure does not settle (see tp_region.py).
     """
     raw = _raw_plan(model, plan)
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
     for pattern, style in raw.items():
         style = _ALIASES.get(style, style)
+        if style == "packed_colwise":
+            raise ValueError(
+                f"dist.tp.plan[{pattern!r}]='packed_colwise' (a layer holding several projections) is not supported; "
+                "use 'colwise_gather_output' for the packed layer and 'rowwise_split_input' for the layer that reads "
+                "its output (or leave both out of the plan)"
+            )
         if style not in STYLES:
             raise ValueError(
                 f"dist.tp.plan[{pattern!r}]={style!r} is not a supported style; use one of {', '.join(STYLES)} "
@@ -229,44 +231,40 @@ def resolve_tp_plan(
     if any(style != "sequence_parallel" for style in styles.values()):
         _check_heads(model, size)
     styles = _check_ties(model, styles, auto=isinstance(plan, str))
+    check_packed_layers(model, styles)
+    styles = add_region_styles(model, styles)
     if sequence_parallel:
-        styles = _add_sequence_parallel(model, styles)
+        styles = add_sequence_parallel(model, styles)
     order = {name: i for i, name in enumerate(modules)}
     return TPPlan(dict(sorted(styles.items(), key=lambda item: order[item[0]])), sequence_parallel)
-
-
-def _gather_sequence(mesh: DeviceMesh):
-    """A pre-hook that turns the module's hidden states (the first argument, or ``hidden_states=``) from this
-    rank's tokens into a DTensor of all tokens (an all-gather; its backward reduce-scatters)."""
-
-    def gather(x: torch.Tensor) -> DTensor:
-        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (gather(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
-
-    return hook
 
 
 def _style(style: str, module: nn.Module, sp: bool):
     seq = Shard(1)
     if style == "colwise":
         return ColwiseParallel()
-    if style == _COLWISE_SEQ:
+    if style == COLWISE_SEQ:
         return ColwiseParallel(input_layouts=seq)
     if style == "colwise_gather_output":
         return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
-    if style == "embedding_rowwise" or (style == "rowwise" and isinstance(module, nn.Embedding)):
+    if style == _EMBEDDING or (style == "rowwise" and isinstance(module, nn.Embedding)):
         return RowwiseParallel(input_layouts=Replicate())
     if style == "rowwise":
         return RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
+    if style == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     if style == "sequence_parallel":
         return SequenceParallel(use_local_output=True) if sp else None
-    if style == _GATHER:
-        return _GATHER
-    # _SPLIT: cut the replicated hidden states down to this rank's tokens (a slice)
+    if style == "replicated_with_grad_allreduce":
+        # The parameters become DTensors replicated over the TP ranks and the input is marked as split along
+        # dim 0 (any dim but the normalized one would do): the weight's gradient then comes out partial and
+        # DTensor all-reduces it. Under FSDP the parameters are sharded like any other DTensor's.
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
+    if style == "replicate":
+        return None
+    if style == GATHER:
+        return GATHER
+    # SPLIT: cut the replicated hidden states down to this rank's tokens (a slice)
     return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True)
 
 
@@ -274,7 +272,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> None:
     """Split the modules of ``plan`` over the 1-D ``mesh`` (``parallelize_module``), keeping tied weights tied.
 
     Every rank of ``mesh`` must call it with the same plan. Parameters become DTensors on ``mesh``;
-    modules outside the plan keep plain (replicated) parameters.
+    modules outside the plan keep plain (replicated) parameters; ``replicated_with_grad_allreduce``
+    modules get parameters replicated over ``mesh`` whose gradients are summed over it.
     """
     tied = tied_names(model.named_parameters(remove_duplicate=False))
     parallel = {}
@@ -284,8 +283,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> None:
         if tp_style is not None:
             parallel[name] = tp_style
     for name, tp_style in parallel.items():
-        if tp_style == _GATHER:
-            model.get_submodule(name).register_forward_pre_hook(_gather_sequence(mesh), with_kwargs=True)
+        module = model.get_submodule(name)
+        if tp_style == GATHER:
+            module.register_forward_pre_hook(gather_sequence(mesh), with_kwargs=True)
         else:
-            parallelize_module(model.get_submodule(name), mesh, tp_style)
+            parallelize_module(module, mesh, tp_style)
+        if plan.styles[name] == SPLIT:  # before the split: an uneven one fails later, in a collective
+            module.register_forward_pre_hook(
+                sequence_check(mesh.size(), tokens_only=False), prepend=True, with_kwargs=True
+            )
     retie(model, tied)  # each module of a tied pair got its own DTensor; _check_ties made them alike

@@ -3,12 +3,11 @@
 Each file as it is opened: readable, a shard of the wanted section, and metadata with the structure
 ``model.get_shard_metadata()`` writes (see [Note: shard metadata]), so that no later step meets a
 missing key. Then the set: one world size, one run, every rank exactly once; per rank, the tensors
-rank 0 has, in the shapes and dtypes the metadata gives; per sharded tensor, pieces that tile it; and
-no output that is one of the inputs. Every refusal is a ValueError naming the file(s) and the fix.
+rank 0 has, in the shapes and dtypes the metadata gives; per sharded tensor, pieces that tile it (in
+``_tiling.py``); and no output that is one of the inputs. Every refusal is a ValueError naming the file(s) and the fix.
 """
 
 import functools
-import math
 import operator
 import os
 import re
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = [
     "check_metadata",
     "check_rank",
-    "check_tiling",
     "open_shard",
     "order_by_rank",
     "refuse_output_among_inputs",
@@ -220,19 +218,6 @@ def check_rank(path: str, data: dict[str, Any], section: str, items: "list[Tenso
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != item.dtype:
             got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{path}: {item.name} is {got}, expected shape {expected} and dtype {item.dtype}")
-
-
-def check_tiling(item: "TensorItem", pieces: dict[tuple[int, ...], tuple[int, list[int]]], where: str) -> None:
-    """Raise ValueError unless the distinct ``pieces`` (offset -> (rank, local shape)) cover ``item`` exactly."""
-    covered = sum(math.prod(shape) for _, shape in pieces.values())
-    inside = all(
-        o + n <= s for offset, (_, shape) in pieces.items() for o, n, s in zip(offset, shape, item.shape, strict=True)
-    )
-    if covered != math.prod(item.shape) or not inside:
-        raise ValueError(
-            f"{item.name}: the shards in {where} do not tile its full shape {list(item.shape)} (they cover {covered} "
-            f"of {math.prod(item.shape)} elements); corrupt metadata"
-        )
 
 
 def _same_file(a: str, b: str) -> bool:

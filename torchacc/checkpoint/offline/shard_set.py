@@ -26,7 +26,8 @@ from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
 from ..state import canonical_name, is_sharded, parse_dtype
-from ._checks import check_rank, check_tiling, open_shard, order_by_rank
+from ._checks import check_rank, open_shard, order_by_rank
+from ._tiling import check_tiling
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
 
@@ -96,9 +97,12 @@ class ShardSet:
         self.items = self._plan()
         for path, data in files:
             check_rank(path, data, section, self.items)
+        tiled = set()  # an optimizer's states share their parameter's entry: one check each
         for item in self.items:
-            if item.meta_key is not None:
-                check_tiling(item, self._pieces(item), os.path.dirname(self.paths[0]) or ".")
+            if item.meta_key is not None and item.meta_key not in tiled:
+                blocks = [(path, entry["offset"], entry["local_shape"]) for path, entry in self._entries(item)]
+                check_tiling(item, blocks, os.path.dirname(self.paths[0]) or ".")
+                tiled.add(item.meta_key)
         self._records: list[dict[int, tuple[int, int, int]] | None] | None = None
 
     @property
@@ -139,12 +143,18 @@ class ShardSet:
                 items.append(TensorItem(path, out_path, shape, value.dtype, meta_key if sharded else None))
         return items
 
+    def _entries(self, item: TensorItem) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(file, shard_metadata entry) of a sharded tensor, for every rank."""
+        for path, data in zip(self.paths, self._data, strict=True):
+            yield path, data["shard_metadata"]["tensors"][item.meta_key]
+
     def _pieces(self, item: TensorItem) -> dict[tuple[int, ...], tuple[int, list[int]]]:
-        """Distinct pieces of a sharded tensor: offset -> (rank holding it, local shape)."""
+        """Distinct non-empty pieces of a sharded tensor: offset -> (rank holding it, local shape). The pieces
+        tile the tensor (``check_tiling``), so no two differ at one offset."""
         pieces: dict[tuple[int, ...], tuple[int, list[int]]] = {}
-        for rank, data in enumerate(self._data):
-            entry = data["shard_metadata"]["tensors"][item.meta_key]
-            pieces.setdefault(tuple(entry["offset"]), (rank, entry["local_shape"]))
+        for rank, (_, entry) in enumerate(self._entries(item)):
+            if math.prod(entry["local_shape"]):
+                pieces.setdefault(tuple(entry["offset"]), (rank, entry["local_shape"]))
         return pieces
 
     def full_tensor(self, item: TensorItem) -> torch.Tensor:
