@@ -59,8 +59,10 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     sync_files = not args.no_sync
     if not os.path.isdir(ckpt):
         raise ValueError(f"--ckpt-dir {ckpt!r} is not a directory")
+    rank_files = args.pattern or glob.glob(os.path.join(ckpt, MODEL_PATTERN))
+    native = None if rank_files else _native_checkpoint(ckpt)
     if args.reshard is not None:
-        if not args.pattern and not glob.glob(os.path.join(ckpt, MODEL_PATTERN)) and _native_checkpoint(ckpt):
+        if native is not None:
             raise ValueError(
                 f"--ckpt-dir {ckpt!r} holds a save_checkpoint checkpoint, which loads at any world size as it is "
                 "(torchacc.load_checkpoint reshards); --reshard is for rank-*-of-*-model.pth files"
@@ -75,8 +77,9 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
         raise ValueError("--type all uses the default patterns and output names; drop --pattern and --out")
     if args.type != "model" and args.format != "torch":
         raise ValueError(f"--format {args.format} holds model weights only; use --format torch for optimizer state")
+    if not rank_files and native is None:
+        raise ValueError(_neither(ckpt))
     sections = ["model", "optimizer"] if args.type == "all" else [args.type]
-    native = None if args.pattern or glob.glob(os.path.join(ckpt, MODEL_PATTERN)) else _native_checkpoint(ckpt)
     written = []
     for section in sections:
         pattern = os.path.join(ckpt, args.pattern or (MODEL_PATTERN if section == "model" else OPTIM_PATTERN))
@@ -86,7 +89,7 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
             consolidate_dcp(native, section=section, out=out, fmt=args.format, sync_files=sync_files)
         elif args.format == "hf":
             out = args.out or os.path.join(ckpt, "hf")
-            _export_hf(args, ckpt, out, pattern=os.path.basename(pattern), verify=verify)
+            _export_hf(args, ckpt, out, native, pattern=os.path.basename(pattern), verify=verify)
         else:
             default = {"model": "consolidated.pth", "optimizer": "consolidated_optim.pth"}[section]
             if args.format == "safetensors":
@@ -107,22 +110,23 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
 
 def _native_checkpoint(ckpt: str) -> str | None:
-    """The ``save_checkpoint`` checkpoint ``ckpt`` is (or whose ``latest`` it holds), or None; a folder of neither
-    kind is an error naming what it holds."""
-    if os.path.isfile(os.path.join(ckpt, ".metadata")):
-        return ckpt
-    if (latest := require_latest(ckpt)) is not None:
-        return latest
+    """The ``save_checkpoint`` checkpoint ``ckpt`` is (or whose ``latest`` it holds), or None."""
+    return ckpt if os.path.isfile(os.path.join(ckpt, ".metadata")) else require_latest(ckpt)
+
+
+def _neither(ckpt: str) -> str:
     names = sorted(os.listdir(ckpt))
     found = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "") if names else "nothing"
-    raise ValueError(
+    return (
         f"no checkpoint files match {os.path.join(ckpt, MODEL_PATTERN)!r}, and --ckpt-dir {ckpt!r} is no "
         f"save_checkpoint checkpoint either (no .metadata, no 'latest'); it holds {found}. Pass the directory of the "
         "rank files (or --pattern GLOB), or a save_checkpoint root or one of its checkpoint-N directories"
     )
 
 
-def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, verify: bool) -> None:
+def _export_hf(
+    args: argparse.Namespace, ckpt: str, out: str, native: str | None, *, pattern: str, verify: bool
+) -> None:
     """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
     from .checkpoint.hf import SAVE_CONFIG_HINT, config_problem, export_hf, require_transformers
 
@@ -136,7 +140,6 @@ def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, v
             f"--format hf needs the model's config.json: {problem}; pass --hf-config PATH (a config.json or a "
             f"directory holding one), {SAVE_CONFIG_HINT}"
         )
-    native = None if glob.glob(os.path.join(ckpt, pattern)) else _native_checkpoint(ckpt)
     export_hf(native or ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
 
 

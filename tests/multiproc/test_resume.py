@@ -39,7 +39,7 @@ def test_len_of_a_resumed_loader_is_the_full_epoch_and_the_rest_is_counted_apart
 def test_a_save_in_the_background_holds_the_state_at_the_call_and_is_published_at_wait(ranks):
     results, out = ranks
     root = out / "background"
-    for result in results:
+    for result in (r["background"] for r in results):
         assert result["latest_while_writing"] == str(root / "checkpoint-1"), "published at wait(), not before"
         assert result["path"] == result["latest_after_wait"] == str(root / "checkpoint-2")
         assert result["extra"] == {"step": 2}

@@ -184,7 +184,8 @@ def rank_errors(out: str) -> dict[str, Any]:
     dcp_fs.FileSystemWriter.prepare_local_plan = real_prepare
     results["checkpoint_below_a_file"] = _attempt(lambda: torchacc.save_checkpoint(blocker / "ckpt", model=model))
     torchacc.dist.barrier()
-    results["checkpoint_leftovers"] = sorted(n for n in os.listdir(directory) if n.startswith("."))
+    leftovers = (".incomplete", ".replaced")  # staging directories; the writer's claim (a dot file) stays
+    results["checkpoint_leftovers"] = sorted(n for n in os.listdir(directory) if n.endswith(leftovers))
     results["latest"] = torchacc.latest_checkpoint(directory)
 
     first = directory / "checkpoint-1"
