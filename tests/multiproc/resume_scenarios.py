@@ -10,6 +10,7 @@ from scenarios import full_state, gpt2_config
 from torch.utils.data import DataLoader
 
 import torchacc
+from torchacc._utils.tree import map_tensors
 
 STEPS, RESUME_AT = 20, 11  # 16 batches per rank and epoch: the resume is mid-epoch, the run crosses an epoch
 
@@ -112,7 +113,8 @@ def background_saves(out: str) -> dict:
     batches = iter(loader)
     train(model, batches, optimizer, 0, 2)
     torchacc.save_checkpoint(root, model=model, optimizer=optimizer)
-    at_call = {"state": full_state(model), "optim": torchacc.optim_state_dict(model, optimizer, full=True)}
+    optim = torchacc.optim_state_dict(model, optimizer, full=True)  # Adam's step: the live tensor, not a copy
+    at_call = {"state": full_state(model), "optim": map_tensors(torch.clone, optim)}
     handle = torchacc.save_checkpoint(root, model=model, optimizer=optimizer, extra={"step": 2}, blocking=False)
     result = {"latest_while_writing": torchacc.latest_checkpoint(root)}
     train(model, batches, optimizer, 2, 5)  # changes the parameters and the optimizer state in place
