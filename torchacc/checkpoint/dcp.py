@@ -20,12 +20,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from .._utils.fs import describe_os_error
 from ..distributed import env
 from ..distributed.collectives import broadcast, raise_on_any_rank
+from ..parallel.accelerated import accelerated_state
 from . import directory, storage
 from .optimizer import optim_state_dict
 from .rng import get_rng_state
 from .writing import save_dcp, wait_for_save
 
-__all__ = ["save_checkpoint", "save_state", "FORMAT", "LATEST"]
+__all__ = ["save_checkpoint", "save_state", "layout_of", "FORMAT", "LATEST"]
 
 LATEST = directory.LATEST
 FORMAT = "torchacc-dcp/2"  # 1: non-tensor entries pickled, one extra for all ranks
@@ -121,7 +122,7 @@ def save_state(
             state[key] = storage.encode(obj.state_dict())
     state[f"extra/rank-{env.rank()}"] = storage.encode(dict(extra or {}))
     state[f"rng/rank-{env.rank()}"] = storage.encode(get_rng_state())
-    state["torchacc"] = storage.encode({"world_size": env.world_size(), "format": FORMAT})
+    state["torchacc"] = storage.encode({"world_size": env.world_size(), "format": FORMAT, "layout": layout_of(model)})
     final = os.path.join(root, tag)
 
     def published() -> None:
@@ -131,6 +132,12 @@ def save_state(
 
     handle = save_dcp(state, final, what=what, tag=tag, on_published=published, blocking=blocking)
     return final if blocking else handle
+
+
+def layout_of(model: nn.Module) -> str:
+    """How the ranks split ``model`` (``"fsdp=2 x tp=2"``): random states are restored only into the same layout."""
+    accelerated = accelerated_state(model)
+    return f"{env.world_size()} rank(s)" + (f", {accelerated.layout.dims.describe()}" if accelerated else "")
 
 
 def _check_args(model: Any, scheduler: Any, dataloader: Any, extra: Any, keep: Any) -> None:

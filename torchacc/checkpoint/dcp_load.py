@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from .._utils.logging import warn_once
 from ..distributed import env
 from . import storage
-from .dcp import LATEST
+from .dcp import LATEST, layout_of
 from .directory import latest_checkpoint, require_latest
 from .optimizer import load_optim_state_dict, named_parameters
 from .rng import set_rng_state
@@ -135,7 +135,7 @@ def load_checkpoint(
     extra_key, rng_key = _extra_key(saved, path), f"rng/rank-{env.rank()}"
     state[extra_key] = None
     if rng_key in saved:
-        state[rng_key] = None
+        state[rng_key] = state["torchacc"] = None
     load_dcp(path, state, metadata, weights_only=weights_only)
 
     def decoded(key: str, what: str) -> Any:
@@ -153,7 +153,7 @@ def load_checkpoint(
         if obj is not None:
             obj.load_state_dict(decoded(key, f"{key} state"))
     if rng_key in saved:
-        set_rng_state(decoded(rng_key, "random states"))
+        _restore_rng(decoded(rng_key, "random states"), decoded("torchacc", "format").get("layout"), model, path)
     return decoded(extra_key, "extra")
 
 
@@ -192,6 +192,15 @@ def load_dcp(
     return state
 
 
+def _restore_rng(rng: dict[str, Any], saved: str | None, model: nn.Module, path: str) -> None:
+    """Restore this rank's random states if they were saved in the layout this job has: elsewhere (another world
+    size, TP groups where there were none) they would replay nothing, and could differ where ranks must agree."""
+    if saved == (current := layout_of(model)):
+        set_rng_state(rng)
+    else:
+        warn_once(f"{path}: saved by {saved}, loaded by {current}: the ranks keep their own random states")
+
+
 def _extra_key(saved: dict[str, Any], path: str) -> str:
     """The entry holding this rank's ``extra`` (see [Note: per-rank extra])."""
     own = f"extra/rank-{env.rank()}"
@@ -204,7 +213,7 @@ def _extra_key(saved: dict[str, Any], path: str) -> str:
         )
     warn_once(
         f"{path} was saved by fewer ranks than this job has: the ranks it did not have get rank 0's extra "
-        "(counters) and keep their own random states; re-seed them if they must differ"
+        "(RNG states, counters); re-seed them if they must differ"
     )
     return "extra/rank-0"
 
