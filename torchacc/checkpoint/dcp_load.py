@@ -59,15 +59,8 @@ def resume_latest(
     path = require_latest(directory)
     if path is None:
         return None
-    return load_checkpoint(
-        path,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataloader=dataloader,
-        verify=verify,
-        weights_only=weights_only,
-    )
+    options = {"scheduler": scheduler, "dataloader": dataloader, "verify": verify, "weights_only": weights_only}
+    return load_checkpoint(path, model=model, optimizer=optimizer, **options)
 
 
 def load_checkpoint(
@@ -82,8 +75,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint``, at any world size. Every rank must call it.
 
-    The random states each rank saved are restored too (Python, NumPy, torch's CPU and accelerator generators),
-    so that a resumed run draws what the uninterrupted one would have; ranks the checkpoint did not have keep theirs.
+    The random states each rank saved are restored too (Python, NumPy, torch's CPU and accelerator generators)
+    when the layout is the one that saved them, so that a resumed run draws what the uninterrupted one would have.
 
     Args:
         path: a checkpoint directory, or the root passed to ``save_checkpoint`` (its ``latest`` is loaded).
