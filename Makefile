@@ -1,4 +1,5 @@
-# Set-up on a fresh machine is `make demo` or `make test`; nothing has to be installed by hand.
+# Set-up on a fresh machine is `make demo` or `make test`; nothing has to be installed by hand. The metrics extra
+# (tensorboard, wandb, matplotlib) is installed so that the tests read back every metrics sink.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[hf,dev]"
+	$(PY) -m pip install -q -e ".[hf,dev,metrics]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -32,6 +33,7 @@ lint: setup
 bench: setup
 	$(PY) -m pip install -q -e ".[bench]"
 	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --compile on
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --metrics
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --gc --vocab 8192
 	OMP_NUM_THREADS=1 $(PY) benchmarks/capacity.py

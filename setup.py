@@ -1,14 +1,19 @@
 """Build entry for torchacc. Tool settings live in pyproject.toml."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
+HERE = Path(__file__).parent
+VERSION = re.search(r'VERSION = "([^"]+)"', (HERE / "torchacc" / "_utils" / "version.py").read_text()).group(1)
+METRICS = {"tensorboard": ["tensorboard"], "wandb": ["wandb>=0.19"], "plot": ["matplotlib"]}  # one extra per sink
+
 setup(
     name="torchacc",
-    version="0.1.0",
+    version=VERSION,
     description="Config-driven, one-call FSDP2 acceleration for PyTorch training",
-    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torchacc", "torchacc.*"]),
     python_requires=">=3.10",
@@ -17,6 +22,8 @@ setup(
         "hf": ["transformers", "datasets"],
         "dev": ["pytest", "ruff"],
         "bench": ["matplotlib"],
+        **METRICS,
+        "metrics": sorted({req for reqs in METRICS.values() for req in reqs}),  # every sink and the plot
     },
     entry_points={"console_scripts": ["torchacc=torchacc.__main__:main"]},
 )

@@ -49,7 +49,8 @@ def llama_model(*, layers: int, hidden: int, intermediate: int, heads: int, kv_h
 class CommBytes:
     """A dispatch mode that sums the payload bytes of collectives: the full (gathered / unreduced) buffer of
     each, per rank. ``sent`` estimates what a ring sends per rank: (n-1)/n of the payload for an all-gather or a
-    reduce-scatter, 2(n-1)/n for an all-reduce, n the size of the group."""
+    reduce-scatter, 2(n-1)/n for an all-reduce, n the size of the group; a point-to-point send (a pipeline's
+    activations and their gradients at the stage boundaries) sends its payload."""
 
     def __new__(cls, sizes: dict[str, int]):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,7 +58,7 @@ class CommBytes:
         class Mode(TorchDispatchMode):
             def __init__(self) -> None:
                 super().__init__()
-                self.payload = {"weights (FSDP)": 0, "activations (TP)": 0}
+                self.payload = {"weights (FSDP)": 0, "activations (TP)": 0, "activations (PP)": 0}
                 self.sent = dict.fromkeys(self.payload, 0.0)
 
             def _add(self, kind: str, nbytes: int, group: int, factor: float) -> None:
@@ -83,6 +84,8 @@ class CommBytes:
                     self._add("activations (TP)", size(args[0]) * sizes["tp"], sizes["tp"], 1.0)
                 elif ns == "_c10d_functional" and name == "reduce_scatter_tensor":
                     self._add("activations (TP)", size(args[0]), sizes["tp"], 1.0)
+                elif ns == "c10d" and name == "send":
+                    self._add("activations (PP)", sum(size(t) for t in args[0]), 2, 2.0)  # sent = payload
                 return func(*args, **kwargs)
 
         return Mode()

@@ -6,6 +6,8 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/memory.py --vocab 8192   # the same blocks with a small vocabulary (176M params)
     .venv/bin/python benchmarks/memory.py --gc --vocab 8192  # activation checkpointing off / every / 1 in 2 blocks
     .venv/bin/python benchmarks/memory.py --quick        # smoke run: a 5M-parameter GPT-2 and its gc rows, < 60 s
+    .venv/bin/python benchmarks/memory.py --tp           # tensor parallelism against FSDP 4 (4 ranks, Llama-style)
+    .venv/bin/python benchmarks/memory.py --pp           # pipeline parallelism against FSDP 4 (4 ranks, Llama-style)
 
 Each configuration is one ``torchrun`` job (``OMP_NUM_THREADS=1`` per rank) on the CPU with gloo (GPUs, if
 any, are hidden from the ranks: this measures host memory):
@@ -78,6 +80,7 @@ from _common import (
     reset_peak_rss,
     run_torchrun,
 )
+from _pp import PP_CONTENDERS, PP_RANKS, pp_table, pp_worker
 from _tp import TP_CONTENDERS, TP_RANKS, tp_table, tp_worker
 
 # (n_layer, n_embd, n_head, vocab): full is GPT-2's vocabulary with 24 layers of width 768 (GPT-2 medium depth).
@@ -352,6 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-batch", type=int, default=8, help="--tp: global batch (sequences per step, all layouts)")
     p.add_argument("--tp-steps", type=int, default=0, help="--tp: timed steps (default 2, quick 1)")
     p.add_argument("--tp-only", help=argparse.SUPPRESS)
+    p.add_argument("--pp", action="store_true", help="only the pipeline-parallel comparison (4 ranks, Llama-style)")
+    p.add_argument("--pp-batch", type=int, default=8, help="--pp: global batch (sequences per step, all layouts)")
+    p.add_argument("--pp-steps", type=int, default=0, help="--pp: timed steps (default 2, quick 1)")
+    p.add_argument("--pp-only", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
     p.add_argument("--gc-mode", choices=GC_MODES, default="off", help=argparse.SUPPRESS)
@@ -363,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.gc_seq = args.gc_seq or (128 if args.quick else 512)
     args.no_dp = args.no_dp or args.quick
     args.tp_steps = args.tp_steps or (1 if args.quick else 2)
+    args.pp_steps = args.pp_steps or (1 if args.quick else 2)
     args.warmup = 1
     return args
 
@@ -382,11 +390,17 @@ def main() -> None:
     if args.worker and args.tp:
         tp_worker(args, memory=True)
         return
+    if args.worker and args.pp:
+        pp_worker(args, memory=True)
+        return
     if args.worker:
         worker(args)
         return
     if args.tp:
         main_tp(args)
+        return
+    if args.pp:
+        main_pp(args)
         return
     for name in args.allocator:
         allocator_env(name)  # fail early on an unknown name or a missing library
@@ -474,6 +488,33 @@ def main_tp(args: argparse.Namespace) -> None:
     )
     print("Peak: VmHWM after set-up and training minus the rank's RSS after the process group started.\n")
     print(tp_table(results, memory=True))
+
+
+def main_pp(args: argparse.Namespace) -> None:
+    """``--pp``: one launch of 4 ranks per layout (so each peak is its own), then the table."""
+    started = time.monotonic()
+    args.vocab = args.vocab or 8192
+    allocator = args.allocator[0] if len(args.allocator) == 1 else DEFAULT_ALLOCATOR
+    results: list[dict[str, Any]] = []
+    for name in PP_CONTENDERS:
+        print(f"running {name} on {PP_RANKS} ranks, malloc {allocator}...", file=sys.stderr, flush=True)
+        cmd = ["--worker", "--pp", "--pp-only", name, "--vocab", str(args.vocab), "--seq", str(args.seq)]
+        cmd += ["--pp-batch", str(args.pp_batch), "--pp-steps", str(args.pp_steps), "--rounds", "1"]
+        env = {**allocator_env(allocator), "CUDA_VISIBLE_DEVICES": ""}
+        results += run_torchrun(
+            os.path.abspath(__file__), [*cmd, *(["--quick"] if args.quick else [])], nproc=PP_RANKS, env=env
+        )
+    info = machine_summary()
+    print(
+        f"\n## Pipeline parallelism, per-rank memory: Llama-style model, fp32 AdamW, {PP_RANKS} ranks on CPU/gloo "
+        f"(global batch {args.pp_batch}, seq {args.seq}, vocab {args.vocab}, malloc {allocator})\n"
+    )
+    print(
+        f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+        f"wall {time.monotonic() - started:.0f} s\n"
+    )
+    print("Peak: VmHWM after set-up and training minus the rank's RSS after the process group started.\n")
+    print(pp_table(results, memory=True))
 
 
 if __name__ == "__main__":

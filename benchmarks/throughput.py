@@ -6,6 +6,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, compile too, < 90 s
     .venv/bin/python benchmarks/throughput.py --compile only --sizes L2-E128 L6-E512   # the compile line alone
     .venv/bin/python benchmarks/throughput.py --tp       # tensor parallelism: FSDP4, TP2 x DP2, FSDP2 x TP2 (4 ranks)
+    .venv/bin/python benchmarks/throughput.py --pp       # pipeline parallelism: FSDP4, PP2 x FSDP2, PP2 x DP2, PP4
 
 Contenders, all training a ``transformers.GPT2LMHeadModel`` (built from ``GPT2Config``, float32, dropout
 off, the same seed) with ``torch.optim.AdamW`` on the same synthetic tokens:
@@ -44,6 +45,13 @@ timed in rotating order, one block of steps per contender per round. Tokens/s ex
 ``--tp`` runs only the tensor-parallel comparison (``_tp.py``): a Llama-style model on 4 ranks as FSDP 4,
 TP 2 x DP 2 and FSDP 2 x TP 2, built side by side, the same global batch, rotating order; plus the bytes the
 collectives of one step move, weights (FSDP) against activations (TP).
+
+``--pp`` runs only the pipeline-parallel comparison (``_pp.py``): the same model on 4 ranks as FSDP 4, PP 2 x
+FSDP 2, PP 2 x DP 2 and PP 4, trained by the same ``torchacc.train_step`` loop; plus the bytes of one step,
+weights (FSDP) against the activations sent at the stage boundaries.
+``--metrics`` runs only the cost of watching a run (``_metrics.py``): (a) torchacc with ``metrics.every = 0``
+(off) against (a*) the same with ``metrics.every = 10`` and the JSONL sink, built side by side and timed in
+paired blocks of 20 steps (two records per block), the order alternating; wall and CPU time per step.
 """
 
 import argparse
@@ -70,6 +78,8 @@ from _common import (
     random_tokens,
     run_torchrun,
 )
+from _metrics import METRICS_EVERY, instrument, metrics_table
+from _pp import PP_RANKS, pp_table, pp_worker
 from _tp import TP_RANKS, tp_table, tp_worker
 
 CONTENDERS = ("torchacc", "fsdp2", "ddp", "single")
@@ -110,7 +120,7 @@ def _sharded_loader(dataset: Any, batch: int) -> Any:
 
 
 def setup_torchacc(
-    model: Any, dataset: Any, batch: int, device: Any, *, compiled: bool = False
+    model: Any, dataset: Any, batch: int, device: Any, *, compiled: bool = False, metrics_dir: str | None = None
 ) -> tuple[Any, Any, Callable[[Any], Any]]:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -121,6 +131,8 @@ def setup_torchacc(
     config.dist.fsdp.size = dist.get_world_size()
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
     config.compute.compile = compiled
+    if metrics_dir is not None:  # --metrics: a record every METRICS_EVERY steps, to the JSONL file (rank 0)
+        config.metrics.every, config.metrics.sinks, config.metrics.dir = METRICS_EVERY, {"jsonl"}, metrics_dir
     model, loader = torchacc.accelerate(model, DataLoader(dataset, batch_size=batch, drop_last=True), config)
     return model, loader, _keep  # torchacc's loader already yields batches on the device
 
@@ -311,6 +323,55 @@ def measure_paired(size: tuple[int, int, int, int], args: argparse.Namespace, de
     return {"paired_ratios": ratios, "paired_cpu_ratios": cpu_ratios, "block": block, "loss_gap": loss_gap}
 
 
+def measure_metrics(size: tuple[int, int, int, int], args: argparse.Namespace, device: Any, gloo: Any) -> dict:
+    """(a) metrics off and (a*) metrics every 10 steps built side by side, timed in alternating blocks (ab, ba, ...)
+    of ``args.metrics_block`` steps; per pair, the time of (a*) over (a), by wall and by CPU time."""
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="throughput-metrics-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, group=gloo)  # every rank must give accelerate() the same config
+    metrics_dir = box[0]
+    hooks = instrument()  # before the first model is watched, so that the hooks registered are the timed ones
+    SETUPS["torchacc+metrics"] = functools.partial(setup_torchacc, metrics_dir=metrics_dir)
+    block, pairs = args.metrics_block, args.metrics_pairs
+    runs = {c: Run(c, size, args, device, args.warmup + pairs * block) for c in ("torchacc", "torchacc+metrics")}
+    for run in runs.values():
+        run.train(args.warmup)
+    import torchacc
+
+    wall, cpu, off_step_s, on_cpu_s = [], [], [], 0.0
+    hooks["cpu_s"] = 0.0  # the timed blocks only
+    for pair in range(pairs):
+        order = ("torchacc", "torchacc+metrics") if pair % 2 == 0 else ("torchacc+metrics", "torchacc")
+        timing = {c: runs[c].timed(block, gloo) for c in order}
+        wall.append(timing["torchacc+metrics"][0] / timing["torchacc"][0])
+        cpu.append(timing["torchacc+metrics"][1] / timing["torchacc"][1])
+        off_step_s.append(timing["torchacc"][0] / block)
+        on_cpu_s += timing["torchacc+metrics"][1]
+    hook_cpu = torch.tensor([hooks["cpu_s"]], dtype=torch.float64)
+    dist.all_reduce(hook_cpu, op=dist.ReduceOp.MAX, group=gloo)
+    last_step = torchacc.last_metrics().get("step", 0)  # the model with metrics is the only one recording
+    del runs
+    torchacc.metrics.close_metrics()
+    if dist.get_rank() == 0:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    _free(device)
+    return {
+        "metrics_wall": wall,
+        "metrics_cpu": cpu,
+        "off_step_s": off_step_s,
+        "block": block,
+        "records": last_step // METRICS_EVERY,
+        "hook_cpu_s": float(hook_cpu),  # the busiest rank's CPU seconds inside the metrics hooks, timed blocks
+        "metrics_steps": pairs * block,
+        "metrics_cpu_step_s": on_cpu_s / (pairs * block),  # (a*)'s CPU seconds per step, the busiest rank
+    }
+
+
 def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
@@ -369,6 +430,11 @@ def worker(args: argparse.Namespace) -> None:
     if args.tp:
         tp_worker(args, memory=False)
         return
+    if args.pp:
+        pp_worker(args, memory=False)
+        return
+    if args.metrics:
+        args.compile, args.rounds, args.pairs = "off", 0, 0  # the metrics comparison alone
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -408,6 +474,16 @@ def worker(args: argparse.Namespace) -> None:
             print(
                 f"[paired] {name} (a)/(b): median {median(result['paired_ratios']):.3f} over {args.pairs} pairs of "
                 f"{result['block']} steps",
+                flush=True,
+            )
+            emit_result(result)
+    for name in names if args.metrics else []:
+        result = measure_metrics(sizes[name], args, device, gloo)
+        result.update(size=name, rank=rank, loadavg=os.getloadavg()[0])
+        if rank == 0:
+            print(
+                f"[metrics] {name}: (a*)/(a) step time median {median(result['metrics_wall']):.4f} (wall), "
+                f"{median(result['metrics_cpu']):.4f} (CPU) over {args.metrics_pairs} pairs of {result['block']} steps",
                 flush=True,
             )
             emit_result(result)
@@ -647,6 +723,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-batch", type=int, default=8, help="--tp: global batch (sequences per step, all layouts)")
     p.add_argument("--tp-steps", type=int, default=0, help="--tp: timed steps per round (default 3, quick 1)")
     p.add_argument("--tp-only", help=argparse.SUPPRESS)
+    p.add_argument("--pp", action="store_true", help="only the pipeline-parallel comparison (4 ranks, Llama-style)")
+    p.add_argument("--pp-batch", type=int, default=8, help="--pp: global batch (sequences per step, all layouts)")
+    p.add_argument("--pp-steps", type=int, default=0, help="--pp: timed steps per round (default 3, quick 1)")
+    p.add_argument("--pp-only", help=argparse.SUPPRESS)
+    p.add_argument("--metrics", action="store_true", help="only the cost of metrics.every=10 against metrics off")
+    p.add_argument(
+        "--metrics-pairs", type=int, default=0, help="--metrics: paired blocks per size (default 12, quick 1)"
+    )
+    p.add_argument(
+        "--metrics-block",
+        type=int,
+        default=0,
+        help="--metrics: steps per block, a multiple of 10 (default 20, quick 10)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.compile = args.compile or ("on" if args.quick else "off")
@@ -654,6 +744,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.pairs = args.pairs if args.pairs is not None else (2 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.tp_steps = args.tp_steps or (1 if args.quick else 3)
+    args.pp_steps = args.pp_steps or (1 if args.quick else 3)
+    args.metrics_pairs = args.metrics_pairs or (1 if args.quick else 12)
+    args.metrics_block = args.metrics_block or (10 if args.quick else 20)
+    if args.metrics and not args.sizes and not args.quick:
+        args.sizes = ["L2-E128", "L4-E256"]  # the shortest steps, where a fixed cost per step weighs most
     if args.device == "auto":
         import torch
 
@@ -685,6 +780,33 @@ def main() -> None:
             f"load {max(r['loadavg'] for r in results):.1f}; wall {time.monotonic() - started:.0f} s\n"
         )
         print(tp_table(results, memory=False))
+        return
+    if args.pp:
+        results = run_torchrun(os.path.abspath(__file__), [*passed, "--worker"], nproc=PP_RANKS)
+        info = machine_summary()
+        print(
+            f"\n## Pipeline parallelism: Llama-style model, fp32 AdamW, {PP_RANKS} ranks on CPU/gloo (global batch "
+            f"{args.pp_batch}, seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds of {args.pp_steps} steps)\n"
+        )
+        print(
+            f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+            f"load {max(r['loadavg'] for r in results):.1f}; wall {time.monotonic() - started:.0f} s\n"
+        )
+        print(pp_table(results, memory=False))
+    if args.metrics:
+        results = run_torchrun(
+            os.path.abspath(__file__), [*passed, "--worker", "--device", args.device], nproc=args.nproc
+        )
+        info = machine_summary()
+        print(
+            f"\n## Metrics overhead: GPT-2, fp32 AdamW, {args.nproc} ranks on {args.device} (batch {args.batch}/rank, "
+            f"seq {args.seq}, vocab {args.vocab}; metrics.every = {METRICS_EVERY}, JSONL sink)\n"
+        )
+        print(
+            f"{info['date']}; {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB; torch {info['torch']}; "
+            f"wall {time.monotonic() - started:.0f} s\n"
+        )
+        print(metrics_table(results, args))
         return
     env = allocator_env(args.allocator)
     cmd = [*passed, "--worker", "--device", args.device]

@@ -30,7 +30,7 @@ read -r -a overrides <<< "${OVERRIDES:-}"
 
 echo "== 1. train $STEPS steps on $NPROC ranks from the YAML config; every rank saves its shards"
 torchrun --standalone --nproc_per_node="$NPROC" examples/train_gpt2.py \
-    --config examples/train_gpt2.yaml --steps "$STEPS" --save_dir "$OUT/shards" \
+    --config examples/train_gpt2.yaml --steps "$STEPS" --save_dir "$OUT/shards" --metrics_dir "$OUT/metrics" \
     dist.fsdp.size="$NPROC" ${overrides[@]+"${overrides[@]}"}
 ls "$OUT/shards"
 

@@ -5,7 +5,9 @@
 
 Builds GPT-2 on the meta device (each rank allocates only its shards), trains with gradient
 accumulation and clipping, validates, saves rotating sharded checkpoints, resumes from the latest
-one when started again, and writes a Hugging Face directory at the end.
+one when started again, and writes a Hugging Face directory at the end. Every step's metrics (loss,
+tokens/s, memory, grad norm; docs/watching.md) and the validation loss go to OUT/metrics/metrics.jsonl:
+``torchacc plot OUT/metrics`` draws them, the resumed run beside the first.
 """
 
 import argparse
@@ -50,6 +52,9 @@ def main() -> None:
         seed=0,
     )
     strategy.config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    strategy.config.metrics.every = 1  # a record every optimizer step, written to OUT/metrics/metrics.jsonl
+    strategy.config.metrics.sinks = {"jsonl"}
+    strategy.config.metrics.dir = os.path.join(args.out, "metrics")
     strategy.setup_environment()
 
     # The counting sequences have no special tokens; GPT-2's default bos/eos (50256) lie outside this vocabulary.
@@ -87,6 +92,7 @@ def main() -> None:
                 {k: v.unsqueeze(0).to(strategy.root_device) for k, v in val_batch.items()}, 0
             )
             train_loss, val_loss = strategy.reduce(loss.detach()).item(), strategy.reduce(val).item()
+            torchacc.log_metrics({"val_loss": val_loss}, step=strategy.global_step)  # beside the step's record
             if strategy.is_global_zero:
                 print(f"step {strategy.global_step} loss {train_loss:.3f} val {val_loss:.3f} grad_norm {norm:.3f}")
             strategy.save_ckpt(model, ckpt_dir, max_num=2, client_state={"val_loss": val_loss}, optimizer=optimizer)
@@ -97,6 +103,8 @@ def main() -> None:
     if strategy.is_global_zero:
         kept = sorted(name for name in os.listdir(ckpt_dir) if not name.startswith("."))  # not the writer's claim
         print(f"done at step {strategy.global_step}; checkpoints: {kept}")
+        metrics_dir = strategy.config.metrics.dir
+        print(f"metrics: {os.path.join(metrics_dir, 'metrics.jsonl')} (plot: torchacc plot {metrics_dir})")
     strategy.teardown()
 
 

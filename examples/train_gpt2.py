@@ -7,9 +7,11 @@
     torchrun --nproc_per_node=2 examples/train_gpt2.py --config examples/train_gpt2.yaml memory.gc=true
     torchrun --nproc_per_node=2 examples/train_gpt2.py --save_dir ./shards    # then: torchacc consolidate
 
-The torchacc config comes from the flags (--bf16, --fsdp_size), then the --config YAML file, then any
-KEY=VALUE overrides (docs/config.md lists every key); later wins. --save_dir writes one shard file per
-rank, TorchAcc-style, plus the model config and tokenizer; examples/consolidate.sh takes it from there.
+The torchacc config comes from the flags (--bf16, --fsdp_size, --log_every, --metrics_dir), then the --config
+YAML file, then any KEY=VALUE overrides (docs/config.md lists every key); later wins. --save_dir writes one
+shard file per rank, TorchAcc-style, plus the model config and tokenizer; examples/consolidate.sh takes it
+from there. Every --log_every steps a metrics line is printed and appended to METRICS_DIR/metrics.jsonl;
+at the end the run is plotted to METRICS_DIR/metrics.png (docs/watching.md).
 
 Everything is local: the text is examples/data/tiny_corpus.txt, the tokenizer is trained on it in
 a second, and the model is built from a small GPT-2 config (or loaded from ``--model_dir``).
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--fsdp_size", type=int, default=None, help="default: all ranks")
     parser.add_argument("--config", default=None, help="a torchacc config YAML file, e.g. examples/train_gpt2.yaml")
     parser.add_argument("--save_dir", default=None, help="save per-rank model and optimizer shards here")
+    parser.add_argument("--log_every", type=int, default=5, help="a metrics record every N steps (0: off)")
+    parser.add_argument("--metrics_dir", default=None, help="metrics.jsonl and metrics.png go here (default: runs)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. memory.gc=true")
     args = parser.parse_intermixed_args()
 
@@ -109,6 +113,9 @@ def main() -> None:
     config.compute.bf16 = args.bf16
     config.dist.fsdp.size = args.fsdp_size or torchacc.dist.world_size()
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    config.metrics.every = args.log_every  # loss, tokens/s, MFU, memory, grad norm: docs/watching.md
+    config.metrics.sinks = {"console", "jsonl"}
+    config.metrics.dir = args.metrics_dir or config.metrics.dir
     if args.config or args.overrides:  # layered over the flags above: the YAML file, then KEY=VALUE
         files = [f"config={args.config}"] if args.config else []
         config = torchacc.Config.from_cli(files + args.overrides, base=config)
@@ -138,8 +145,21 @@ def main() -> None:
     if torchacc.dist.is_master_ordinal(local=False):
         num_ranks = torchacc.dist.world_size()
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} after {len(losses)} steps on {num_ranks} rank(s)")
+        show_metrics(config.metrics)
     if args.save_dir:
         save_shards(model, optimizer, tokenizer, args.save_dir)
+
+
+def show_metrics(metrics: torchacc.MetricsConfig) -> None:
+    """Say where the records are, and plot them (when matplotlib is installed: pip install 'torchacc[plot]')."""
+    jsonl = os.path.join(metrics.dir, "metrics.jsonl")
+    if not metrics.every or "jsonl" not in metrics.sinks or not os.path.isfile(jsonl):
+        return
+    print(f"metrics: {jsonl}")
+    try:
+        print(f"plot: {torchacc.metrics.plot_metrics(metrics.dir)}")
+    except ImportError:
+        print(f"plot: pip install 'torchacc[plot]', then torchacc plot {metrics.dir}")
 
 
 def save_shards(model, optimizer, tokenizer, save_dir: str) -> None:

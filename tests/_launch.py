@@ -87,6 +87,21 @@ class _ForkedRank:
             self.process.kill()
 
 
+def run_target(target: str, out_path: str, args: tuple) -> None:
+    """Run ``FILE:FUNCTION`` with ``args`` in this rank and save its return value to ``out_path``."""
+    import importlib.util
+
+    path, func_name = target.rsplit(":", 1)
+    sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(path).resolve().parent)]
+    spec = importlib.util.spec_from_file_location("_scenario", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = getattr(module, func_name)(*args)
+    torch.save(result, out_path)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _run_rank(target: str, out_path: str, args: tuple, env: dict[str, str], log_path: str) -> None:
     """The body of a forked rank: _worker_main.py's, with the environment and the output files set first."""
     os.environ.clear()
@@ -97,17 +112,7 @@ def _run_rank(target: str, out_path: str, args: tuple, env: dict[str, str], log_
     torch.set_num_threads(1)
     code = 0
     try:
-        import importlib.util
-
-        path, func_name = target.rsplit(":", 1)
-        sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(path).resolve().parent)]
-        spec = importlib.util.spec_from_file_location("_scenario", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        result = getattr(module, func_name)(*args)
-        torch.save(result, out_path)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        run_target(target, out_path, args)
     except BaseException:  # reported in the rank's log, as an uncaught exception would be
         traceback.print_exc()
         code = 1

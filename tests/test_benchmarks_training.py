@@ -8,10 +8,10 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _run_quick(script: str, tmp_path: Path) -> str:
+def _run_quick(script: str, tmp_path: Path, *extra: str) -> str:
     env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--plot", str(tmp_path / "plot.png")]
+    cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--plot", str(tmp_path / "plot.png"), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=BENCHMARKS.parent)
     assert proc.returncode == 0, f"{script} --quick failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
     return proc.stdout
@@ -30,6 +30,13 @@ def test_throughput_quick(tmp_path: Path) -> None:
     assert "(a')/(a)" in out and "loss check" in out, out  # --quick also runs the compute.compile comparison
     rows = _table_rows(out)
     assert rows and rows[0].startswith("| L2-E128 |"), out
+
+
+def test_throughput_metrics_quick(tmp_path: Path) -> None:
+    out = _run_quick("throughput.py", tmp_path, "--metrics")
+    rows = _table_rows(out)
+    assert len(rows) == 1 and rows[0].startswith("| L2-E128 | ") and "| 1 x 10 |" in rows[0], out
+    assert rows[0].split(" | ")[-2] == "1", "one record in a block of 10 steps"
 
 
 def test_memory_quick(tmp_path: Path) -> None:

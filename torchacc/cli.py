@@ -1,4 +1,4 @@
-"""``torchacc consolidate``: offline consolidation, resharding and export from the command line.
+"""The ``torchacc`` command: offline tools (consolidate, reshard, export) and the plot of a run's metrics.
 
 Examples::
 
@@ -8,21 +8,26 @@ Examples::
     torchacc consolidate --ckpt-dir ckpt --format hf --hf-config cfg.json --out gpt2-hf
     torchacc consolidate --ckpt-dir ckpt --reshard 4 --out ckpt-4
     torchacc consolidate --ckpt-dir run --format safetensors          # a save_checkpoint root (its latest)
+    torchacc plot runs                                                    # runs/metrics.jsonl -> runs/metrics.png
+    torchacc --version
 
-Outputs are streamed (memory for about one tensor). Errors are one line on stderr and exit code 1.
+Outputs are streamed (memory for about one tensor). Errors are one line on stderr and exit code 1; a bare
+``torchacc`` prints the usage. A command is one entry of ``COMMANDS``: a function that adds its arguments to
+its sub-parser, and one that runs it and returns the paths it wrote.
 """
 
 import argparse
 import glob
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from ._utils.version import VERSION
 from .checkpoint.directory import require_latest
 from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, consolidate_dcp
 from .checkpoint.offline.reshard import reshard_checkpoint
 
-__all__ = ["main"]
+__all__ = ["main", "COMMANDS"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,10 +36,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(1)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="torchacc", description="torchacc command-line tools")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("consolidate", help="merge per-rank shard files offline (no GPU, no process group)")
+def _add_consolidate(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ckpt-dir", required=True, help="rank-*-of-*-{model,optim}.pth files, or a save_checkpoint root or checkpoint"
     )
@@ -51,7 +53,17 @@ def _parser() -> argparse.ArgumentParser:
         help="do not fsync the output files (faster; after a power cut, re-run); not with --format hf",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
+
+
+def _add_plot(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="a run's metrics.dir: the directory holding metrics.jsonl")
+    p.add_argument("--out", help="the PNG to write (default: DIR/metrics.png)")
+
+
+def _plot(args: argparse.Namespace) -> list[str]:
+    from .metrics.plot import plot_metrics  # matplotlib, an optional extra, is imported only here
+
+    return [plot_metrics(args.dir, out=args.out)]
 
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
@@ -143,13 +155,34 @@ def _export_hf(
     export_hf(native or ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
 
 
+# name -> (help, add its arguments, run it and return the paths written)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], list[str]]]]
+COMMANDS = {
+    "consolidate": ("merge per-rank shard files offline (no GPU, no process group)", _add_consolidate, _consolidate),
+    "plot": ("draw a run's metrics.jsonl as metrics.png (loss, tokens/s, MFU, memory)", _add_plot, _plot),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="torchacc", description="torchacc command-line tools")
+    parser.add_argument("--version", action="version", version=f"torchacc {VERSION}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (help_text, add_arguments, _) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0, or 1 after a one-line error on stderr)."""
-    args = _parser().parse_args(argv)
+    """Run the CLI; returns the exit code (0, or 1 after a one-line error on stderr); no command prints the usage."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
-        for path in _consolidate(args):
+        for path in COMMANDS[args.command][2](args):
             print(path)
-    except (ValueError, OSError, ImportError) as exc:  # ImportError: an optional dependency (transformers)
+    except (ValueError, OSError, ImportError) as exc:  # ImportError: an optional dependency (transformers, ...)
         sys.stderr.write(f"torchacc: error: {' '.join(str(exc).split())}\n")
         return 1
     return 0

@@ -5,6 +5,7 @@ progress bars drawn by more than one rank (see ``assert_quiet``).
 """
 
 import collections
+import json
 import os
 import re
 import subprocess
@@ -57,15 +58,25 @@ def final_losses(stdout: str) -> tuple[float, float, int]:
 def test_gpt2_example_trains_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE)]
     # A cold datasets cache, so that both ranks run the dataset's map() (a warm cache draws no bars at all).
-    out = run(cmd + ["--steps", "30"], HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"))
+    metrics = tmp_path / "metrics"
+    out = run(
+        cmd + ["--steps", "30", "--metrics_dir", str(metrics)], HF_DATASETS_CACHE=str(tmp_path / "datasets-cache")
+    )
     first, last, ranks = final_losses(out)
     assert ranks == 2
     assert last < 0.6 * first
     assert out.count(" after 30 steps on ") == 1  # the summary line: rank 0's only
+    # a metrics line every 5 steps, rank 0's only; where the records and their plot are
+    assert [line.split(" | ")[0] for line in out.splitlines() if " | loss " in line] == [
+        f"step {s}" for s in range(5, 31, 5)
+    ]
+    assert f"metrics: {metrics / 'metrics.jsonl'}" in out and f"plot: {metrics / 'metrics.png'}" in out
+    assert len((metrics / "metrics.jsonl").read_text().splitlines()) == 6 and (metrics / "metrics.png").is_file()
 
 
-def test_gpt2_example_runs_as_one_process_without_torchrun():
-    first, last, ranks = final_losses(run([sys.executable, str(EXAMPLE), "--steps", "8"]))
+def test_gpt2_example_runs_as_one_process_without_torchrun(tmp_path):
+    out = run([sys.executable, str(EXAMPLE), "--steps", "8", "--metrics_dir", str(tmp_path)])
+    first, last, ranks = final_losses(out)
     assert ranks == 1
     assert last < first
 
@@ -89,6 +100,12 @@ def test_strategy_loop_trains_rotates_resumes_and_exports(tmp_path):
     assert "checkpoints: ['global_step2', 'global_step3', 'latest']" in first
     second = run(cmd)
     assert "resumed from global_step3" in second and "done at step 6" in second
+    # the metrics of both runs, the resumed one counting on from the optimizer's restored step
+    assert f"metrics: {tmp_path / 'metrics' / 'metrics.jsonl'} (plot: torchacc plot {tmp_path / 'metrics'})" in second
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "val_loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert len({r["run_name"] for r in records}) == 2
     losses = [float(line.split()[3]) for line in (first + second).splitlines() if line.startswith("step ")]
     assert len(losses) == 6 and losses[-1] < losses[0]
     from transformers import AutoModelForCausalLM
@@ -105,6 +122,8 @@ def test_yaml_config_is_the_default_run_of_train_gpt2():
     default = torchacc.Config()  # what train_gpt2.py builds from its flags on 2 ranks
     default.dist.fsdp.size = 2
     default.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
+    default.metrics.every = 5
+    default.metrics.sinks = {"console", "jsonl"}
     assert torchacc.Config.from_yaml(ROOT / "examples" / "train_gpt2.yaml") == default
 
 

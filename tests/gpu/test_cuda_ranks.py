@@ -291,3 +291,19 @@ def test_meta_init_under_hsdp_equals_fsdp_1(four_gpus):
     hsdp, fsdp1 = ok(four_gpus, "meta_hsdp"), ok(four_gpus, "meta_fsdp1")
     for result in hsdp + fsdp1:
         assert_states_equal(result["state"], fsdp1[0]["state"])
+
+
+CP_SCENARIOS = str(Path(__file__).parents[1] / "multiproc" / "cp_scenarios.py")
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_context_parallel_on_cuda_matches_one_gpu(tmp_path, method):
+    """dist.cp.size=2 on 2 GPUs (ring: torch's ring attention, CUDA only) against the same steps on one GPU."""
+    results = launch(f"{CP_SCENARIOS}:cuda_cp2", 2, tmp_path, args=(method,))
+    for result in results:
+        assert result["attn"] == f"torchacc_{method}"
+        reference = result["reference"]
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), atol=1e-4, rtol=0)
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, atol=1e-4, rtol=0, msg=name)

@@ -89,15 +89,11 @@ FAMILIES: dict[str, Family] = {
         "Gemma 2", "gemma2", "Gemma2ForCausalLM", "Gemma2DecoderLayer", overrides={"head_dim": 16, "sliding_window": 8}
     ),
     "phi": Family("Phi", "phi", "PhiForCausalLM", "PhiDecoderLayer"),
-    # Phi-3's and Mixtral's own plans use styles torchacc does not have (test_matrix.py checks that they are
-    # refused): the matrix uses what the refusal asks for, a hand-written plan of the five styles
-    "phi3": Family(
-        "Phi-3",
-        "phi3",
-        "Phi3ForCausalLM",
-        "Phi3DecoderLayer",
-        tp_plan=_hand_plan(["qkv_proj"], "o_proj", ["gate_up_proj"], "down_proj"),
-    ),
+    # Phi-3's own plan gathers the outputs of its packed qkv_proj and gate_up_proj (colwise_gather_output) and
+    # splits the next layer's input (rowwise_split_input)
+    "phi3": Family("Phi-3", "phi3", "Phi3ForCausalLM", "Phi3DecoderLayer"),
+    # Mixtral's own plan splits its packed experts with styles torchacc does not have (test_matrix.py checks that
+    # it is refused): the matrix uses what the refusal asks for, a hand-written plan
     "mixtral": Family(
         "Mixtral (MoE)",
         "mixtral",

@@ -6,10 +6,11 @@ the ranks' results with a single-process reference computed in the pytest proces
 
 import itertools
 
+import metrics_scenarios
 import report_scenarios
 import torch
 import torch.distributed as dist
-from _models import TinyNet, tiny_gpt2, token_dataset
+from _models import TinyNet, tiny_gpt2, tiny_llama, token_dataset
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -19,6 +20,7 @@ from torchacc.distributed.collectives import sync_tensors
 
 NUM_STEPS = 5
 LR = 1e-3
+PAD_ROW = 70  # a padding token in the second half of the vocabulary: another rank's shard at 2 and 4 ranks
 
 
 def gpt2_config(*, fsdp: int, dp: int | None = None, **extra) -> torchacc.Config:
@@ -93,14 +95,24 @@ def loader_indices(num_samples: str = "12") -> dict:
 def meta_init_state(
     fsdp: int = 0, dp: int | None = None, *, tp: int = 1, rank_seeds: bool = False
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Tiny GPT-2 (HF init) and TinyNet (reset_parameters) built on the meta device, then accelerated.
+    """Tiny GPT-2 (HF init), TinyNet (reset_parameters) and a Llama with a padding token built on the meta device,
+    then accelerated.
 
     ``rank_seeds``: each rank seeds 7 + its rank before building (docs/checkpoints.md's per-rank seeding); the
-    replicas must still start from rank 0's draw. ``tp``: TinyNet's blocks split by a dict plan (its head, outside
-    the plan, stays replicated over the TP ranks); GPT-2 is left out (its Conv1D has no TP style).
+    replicas must still start from rank 0's draw. ``tp``: TinyNet's blocks and the Llama's embedding split by a dict
+    plan (TinyNet's head, outside the plan, stays replicated over the TP ranks); GPT-2 is left out (its Conv1D has
+    no TP style). The Llama's init zeroes the padding row in place through an index of the (sharded) weight.
     """
     result = {}
-    models = (("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"), ("tinynet", TinyNet, "Block"))
+    models = (
+        ("gpt2", lambda: tiny_gpt2(seed=7), "GPT2Block"),
+        ("tinynet", TinyNet, "Block"),
+        ("llama_pad", lambda: tiny_llama(seed=7, pad_token_id=PAD_ROW), "LlamaDecoderLayer"),
+    )
+    plans = {
+        "tinynet": {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"},
+        "llama_pad": {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"},
+    }
     for name, build, wrap in models[1:] if tp > 1 else models:
         torch.manual_seed(7 + (torchacc.dist.rank() if rank_seeds else 0))
         with torchacc.init_empty_weights():
@@ -111,7 +123,7 @@ def meta_init_state(
         config.dist.fsdp.wrap_layer_cls = {wrap}
         if tp > 1:
             config.dist.tp.size = tp
-            config.dist.tp.plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+            config.dist.tp.plan = plans[name]
         model = torchacc.accelerate(model, config=config)
         result[name] = full_state(model)
         first = next(model.parameters())
@@ -248,6 +260,30 @@ def collectives() -> dict:
     return result
 
 
+class _Output:
+    """A plain object as a model's output (not a tuple, dict or dataclass): FSDP2 finds no tensor in it."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+class _PlainOutputNet(TinyNet):
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(super().forward(x).square().mean())
+
+
+def plain_output_object() -> dict:
+    """FSDP2 over a model whose output is a plain object: its gradients must equal one process's."""
+    torch.manual_seed(0)
+    model = torchacc.accelerate(_PlainOutputNet(), config=gpt2_config(fsdp=2, dist__fsdp__wrap_layer_cls={"Block"}))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    try:
+        model(x).loss.backward()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None, "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
 def fsdp_suite() -> dict:
     """Everything checked at 2 ranks, in one launch."""
     return {
@@ -266,6 +302,7 @@ def fsdp_suite() -> dict:
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),
         "memory_report": report_scenarios.fsdp_reports(),
+        "plain_output": plain_output_object(),
     }
 
 
@@ -279,6 +316,7 @@ def hsdp_suite() -> dict:
         "meta_hsdp_rank_seeds": meta_init_state(fsdp=2, dp=2, rank_seeds=True),
         "meta_fsdp2_tp2_rank_seeds": meta_init_state(fsdp=2, tp=2, rank_seeds=True),
         "memory_report": report_scenarios.hsdp_reports(),
+        "metrics": metrics_scenarios.hsdp_metrics(),
     }
 
 

@@ -64,12 +64,19 @@ CONV1D = Refused(
     "GPT-2's layers are transformers `Conv1D` (weight stored transposed), which no TP style splits: use FSDP or HSDP",
 )
 
+LOCAL_EXPERTS = Refused(
+    r"dist\.tp\.sequence_parallel=True: model\.layers\.0\.mlp\.gate \(a MixtralTopKRouter with parameters\) sits "
+    r"inside the blocks but outside dist\.tp\.plan",
+    "the router and experts, which the plan leaves whole, would run on this rank's tokens only under sequence "
+    "parallelism (each rank would keep its tokens' share of their gradient): TP 2 without SP trains it exactly",
+)
+
 # What each cell gives: layout -> family -> outcome. A cell broken by a known defect says what it must give.
 CELLS: dict[str, dict[str, Verified | Refused]] = {
     "fsdp2": dict.fromkeys(FAMILIES, VERIFIED),
     "hsdp2x2": dict.fromkeys(FAMILIES, VERIFIED),
     "tp2": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
-    "tp2_sp": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
+    "tp2_sp": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D, "mixtral": LOCAL_EXPERTS},
     "fsdp2_tp2": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
 }
 
@@ -79,55 +86,16 @@ OWN_PLAN_REFUSED: dict[str, Refused] = {
         r"dist\.tp\.plan='auto' takes a Hugging Face model's own plan .* GPT2LMHeadModel has none",
         "GPT-2 has no plan of its own",
     ),
-    "phi3": Refused(
-        r"dist\.tp\.plan\['model\.layers\.\*\.self_attn\.o_proj'\]='rowwise_split_input' is not a supported style",
-        "Phi-3's own plan, refused: it gathers the outputs of its packed `qkv_proj` and `gate_up_proj` and splits "
-        "the next layer's input (`rowwise_split_input`), a style torchacc does not have",
-    ),
     "mixtral": Refused(
-        r"dist\.tp\.plan\['model\.layers\.\*\.mlp\.experts\.gate_up_proj'\]='packed_colwise' is not a supported style",
+        r"dist\.tp\.plan\['model\.layers\.\*\.mlp\.experts\.gate_up_proj'\]='packed_colwise' \(a layer holding several "
+        r"projections\) is not supported",
         "Mixtral's own plan, refused: it splits the packed experts (`packed_colwise`, `moe_tp_experts`), styles "
         "torchacc does not have; the dict plan splits attention, embedding and head, and leaves the router and "
         "experts whole",
     ),
 }
 
-DEFECTS: tuple[Defect, ...] = (
-    Defect(
-        "issue 21 item 1: meta-device init draws every rank's values from that rank's own RNG, so with per-rank seeds "
-        "the shards come from different seeds and the replicas (HSDP's dp axis, parameters TP keeps whole) start "
-        "different; the model is not rank 0's (0.12 from one process after 3 steps)",
-        "meta-device init with a different seed per rank: the shards and replicas are drawn from each rank's own "
-        "seed, so the model is not the one rank 0's seed gives (issue 21, item 1)",
-        variants=frozenset({"meta"}),
-    ),
-    Defect(
-        "issue 21 item 2: Qwen3's own plan marks q_norm/k_norm 'replicated_with_grad_allreduce', which "
-        "accelerate() refuses; a dict plan without them leaves their gradients partial over the TP group",
-        "Qwen3's own plan is refused (`replicated_with_grad_allreduce` for `q_norm`/`k_norm`), and a dict plan "
-        "without them trains them wrong (issue 21, item 2)",
-        layouts=TP_LAYOUTS,
-        families=frozenset({"qwen3"}),
-    ),
-    Defect(
-        "issue 21 item 3: 'colwise' on the packed qkv_proj/gate_up_proj splits q|k|v and gate|up as one block; "
-        "training raises in attention (RuntimeError: a and b must have same reduction dim)",
-        "`colwise` on Phi-3's packed `qkv_proj` and `gate_up_proj` is accepted, splits q|k|v and gate|up as one "
-        "block, and training fails in attention (issue 21, item 3)",
-        layouts=TP_LAYOUTS,
-        families=frozenset({"phi3"}),
-    ),
-    Defect(
-        "new (found by this matrix): under sequence parallelism every module outside the plan between the first "
-        "block and the head runs on its TP rank's tokens only, and the gradients of its plain parameters are never "
-        "all-reduced over the TP group (rank 0's plus rank 1's is one process's); here Mixtral's router and experts "
-        "(left whole, as docs/tensor_parallel.md advises) drift apart, 6e-3 after 3 steps",
-        "with sequence parallelism, a module outside the plan inside the blocks (here the MoE router and experts) "
-        "runs on each TP rank's tokens, and its gradient is never summed over the TP ranks",
-        layouts=frozenset({"tp2_sp"}),
-        families=frozenset({"mixtral"}),
-    ),
-)
+DEFECTS: tuple[Defect, ...] = ()  # none known today
 
 
 def known_defects(layout: str, family: str, variant: str) -> list[Defect]:

@@ -4,6 +4,7 @@ Two launches (2 and 4 ranks) run every scenario of tp_scenarios.py; the referenc
 model here on the batches of the distinct data-parallel ranks (the ranks of a TP group share theirs).
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,22 @@ def test_fsdp2_x_tp2_sums_the_gradients_of_norms_inside_the_split_attention(four
     _assert_parity([r["fsdp2_tp2_qwen3"] for r in four], kind="qwen3")
     placements = four[0]["fsdp2_tp2_qwen3"]["placements"]
     assert placements["model.layers.0.self_attn.k_norm.weight"] == (["Shard(dim=0)", "Replicate()"], ["fsdp", "tp"])
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return launch(f"{SCENARIOS}:compiled_suite", 2, tmp_path_factory.mktemp("tp2_compiled"))
+
+
+# Compiling on the CPU costs about a minute here (inductor builds C++ kernels), a tenth of the suite's budget.
+@pytest.mark.skipif(os.environ.get("TORCHACC_TEST_COMPILE_TP") != "1", reason="set TORCHACC_TEST_COMPILE_TP=1 (~60 s)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="compute.compile=True with TP: Llama's own plan (attention, MLP and lm_head split) fails in the first "
+    "backward inside DTensor's Redistribute.backward ('Tensor' object has no attribute '_local_tensor'); any two of "
+    "the three train equal to one process. Not refused up front (engine/layout: compile x TP)",
+)
+def test_compiled_blocks_under_tp_match_one_process(compiled):
+    results = [r["compiled"] for r in compiled]
+    assert "crashed" not in results[0], results[0]["crashed"]
+    _assert_parity(results)

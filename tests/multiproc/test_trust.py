@@ -34,8 +34,12 @@ def assert_states_equal(actual: dict, expected: dict) -> None:
         assert torch.equal(actual[key], value), key
 
 
-@pytest.mark.parametrize("model", ["gpt2", "tinynet"])
+@pytest.mark.parametrize("model", ["gpt2", "tinynet", "llama_pad"])
 def test_meta_init_does_not_depend_on_the_world_size(two_nodes, one_process_meta_init, model):
+    if model == "llama_pad":  # what the sharded init must also do: its padding row is zeroed
+        import scenarios
+
+        assert not one_process_meta_init[model]["model.embed_tokens.weight"][scenarios.PAD_ROW].any()
     for result in two_nodes:
         assert_states_equal(result["meta_init"][model], one_process_meta_init[model])
     # and the shards are not copies of each other (DTensor on CPU would give every shard the same numbers)

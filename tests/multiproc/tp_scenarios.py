@@ -165,6 +165,17 @@ def sequence_not_divisible() -> dict:
     return {"errors": errors, "loss_after": loss.item()}
 
 
+def compiled(config: torchacc.Config) -> dict:
+    """``train`` with compute.compile=True; a crash in training is returned (the same on every rank)."""
+    config.compute.compile = True
+    try:
+        return train(config, num_steps=3)
+    except RuntimeError as exc:  # AttributeError inside DTensor's backward is re-raised by autograd as it is
+        return {"crashed": f"{type(exc).__name__}: {exc}"}
+    except AttributeError as exc:
+        return {"crashed": f"{type(exc).__name__}: {exc}"}
+
+
 def two_rank_suite() -> dict:
     return {
         "tp2": train(llama_config()),
@@ -181,6 +192,10 @@ def two_rank_suite() -> dict:
         "reseeded": reseeded_after_accelerate(),
         "sequence_15": sequence_not_divisible(),
     }
+
+
+def compiled_suite() -> dict:
+    return {"compiled": compiled(llama_config())}
 
 
 def four_rank_suite() -> dict:

@@ -376,7 +376,7 @@ CASES = [
     Case(
         "section-not-a-mapping",
         ValueError,
-        "dist: expected a mapping with keys dp, fsdp",
+        "dist: expected a mapping with keys pp, dp, fsdp",
         lambda ctx: torchacc.Config.from_dict({"dist": 3}),
     ),
     Case(

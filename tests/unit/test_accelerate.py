@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-from _models import Block, TinyNet, tiny_gpt2, token_dataset
+from _models import Block, TinyNet, tiny_decoder, tiny_gpt2, token_dataset
 from torch.utils.data import DataLoader, IterableDataset
 
 import torchacc
@@ -181,6 +181,29 @@ def test_activation_checkpointing_recomputes_and_saves_less(num_layers, recomput
     assert count_saved_tensors(checkpointed) < count_saved_tensors(plain)
     assert [b.num_forward_calls for b in checkpointed.blocks] == recomputed
     assert [b.num_forward_calls for b in plain.blocks] == [1, 1, 1]
+    for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="memory.gc with a Hugging Face model whose config.use_cache is True (the default): the model builds a "
+    "KV cache in the training forward and the checkpointed layer's recomputation appends its keys again; with a "
+    "sliding window (Mistral, Gemma 2 and 3) attention then fails ('The size of tensor a (23) must match the size "
+    "of tensor b (16)'), under every layout. compute.compile sets use_cache=False for this reason "
+    "(engine._compile_blocks); activation_checkpoint.py does not",
+)
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_activation_checkpointing_of_a_model_with_a_kv_cache_matches_no_checkpointing(family):
+    plain = tiny_decoder(family, sliding_window=8)
+    config = torchacc.Config()
+    config.memory.gc = True
+    config.dist.fsdp.wrap_layer_cls = {type(plain.model.layers[0]).__name__}
+    checkpointed = torchacc.accelerate(tiny_decoder(family, sliding_window=8), config=config)
+    assert checkpointed.config.use_cache
+    ids = torch.stack([sample["input_ids"] for sample in token_dataset(2)])
+    for model in (plain, checkpointed):
+        model(input_ids=ids, labels=ids).loss.backward()
     for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
 

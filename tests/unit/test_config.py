@@ -11,15 +11,29 @@ from torchacc import config as config_module
 from torchacc.config import (
     ComputeConfig,
     Config,
+    CPConfig,
     DataLoaderConfig,
     DistConfig,
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
+    PPConfig,
     field_docs,
 )
 
-ALL_CLASSES = [Config, ComputeConfig, MemoryConfig, DPConfig, FSDPConfig, DistConfig, DataLoaderConfig]
+ALL_CLASSES = [
+    Config,
+    ComputeConfig,
+    MemoryConfig,
+    DPConfig,
+    FSDPConfig,
+    PPConfig,
+    CPConfig,
+    DistConfig,
+    DataLoaderConfig,
+    MetricsConfig,
+]
 
 
 def _custom() -> Config:
@@ -217,6 +231,28 @@ VALIDATE_ERRORS = [
     (_set("dist.fsdp.size", 3), 4, "dist.fsdp.size=3 does not divide world size 4; choose a divisor of 4: 1, 2, 4"),
     (_set("dist.fsdp.size", 8), 4, "dist.fsdp.size=8 exceeds world size 4; choose a divisor of 4: 1, 2, 4"),
     (_set("dist.dp.size", 0), 4, "dist.dp.size must be None or >= 1, got 0; leave it None to infer it"),
+    (_set("dist.cp.size", 0), 4, "dist.cp.size must be >= 1, got 0; use 1 to disable context parallelism"),
+    (
+        _set("dist.cp.size", 3),
+        4,
+        "dist.fsdp.size=1 * dist.cp.size=3 = 3 does not divide world size 4; choose a divisor of 4: 1, 2, 4",
+    ),
+    (
+        _chain(_set("dist.fsdp.size", 2), _set("dist.cp.size", 2), _set("dist.tp.size", 2)),
+        4,
+        "dist.fsdp.size=2 * dist.tp.size=2 * dist.cp.size=2 = 8 exceeds world size 4",
+    ),
+    (
+        _chain(_set("dist.dp.size", 2), _set("dist.cp.size", 4)),
+        4,
+        "dist.dp.size * dist.fsdp.size * dist.cp.size must equal world size 4, got dist.dp.size=2 * "
+        "dist.fsdp.size=1 * dist.cp.size=4 = 8; set dist.dp.size=1 or leave it None",
+    ),
+    (
+        _set("dist.cp.method", "megatron"),
+        4,
+        "dist.cp.method='megatron' is not supported; use 'ulysses' (all-to-all, CPU and GPU) or 'ring'",
+    ),
     (
         _chain(_set("dist.dp.size", 3), _set("dist.fsdp.size", 2)),
         4,
@@ -399,7 +435,10 @@ def test_from_yaml_errors(tmp_path, text, message):
     ("argv", "message"),
     [
         (["compute.bf17=true"], "compute.bf17: unknown key; valid keys under compute: bf16, fp16"),
-        (["dist.fspd.size=2"], "dist.fspd: unknown key; valid keys under dist: dp, fsdp, tp, topology, timeout"),
+        (
+            ["dist.fspd.size=2"],
+            "dist.fspd: unknown key; valid keys under dist: pp, dp, fsdp, tp, cp, topology, timeout",
+        ),
         (["dist.fsdp.size=two"], "dist.fsdp.size: expected int, got 'two' (str); use an integer such as 2"),
         (["memory.gc_cnt=1.5"], "memory.gc_cnt: expected int or None, got 1.5 (float)"),
         (["compute.bf16=maybe"], "compute.bf16: expected bool, got 'maybe' (str)"),
@@ -446,6 +485,12 @@ def test_field_tree_snapshot():
         "memory.gc_interval: int = 1",
         "memory.offload_params: bool = False",
         "dist: DistConfig",
+        "dist.pp: PPConfig",
+        "dist.pp.size: int = 1",
+        "dist.pp.schedule: str = '1F1B'",
+        "dist.pp.stages_per_rank: int = 1",
+        "dist.pp.microbatches: int | None = None",
+        "dist.pp.split: list[str] = []",
         "dist.dp: DPConfig",
         "dist.dp.size: int | None = None",
         "dist.fsdp: FSDPConfig",
@@ -462,6 +507,9 @@ def test_field_tree_snapshot():
         "dist.tp.size: int = 1",
         "dist.tp.plan: str | dict[str, str] = 'auto'",
         "dist.tp.sequence_parallel: bool = False",
+        "dist.cp: CPConfig",
+        "dist.cp.size: int = 1",
+        "dist.cp.method: str = 'ulysses'",
         "dist.topology: list[str] = ['dp', 'fsdp']",
         "dist.timeout: float = 1800.0",
         "dataloader: DataLoaderConfig",
@@ -470,11 +518,18 @@ def test_field_tree_snapshot():
         "dataloader.seed: int = 0",
         "dataloader.prefetch: bool = True",
         "dataloader.shard: bool = True",
+        "metrics: MetricsConfig",
+        "metrics.every: int = 0",
+        "metrics.sinks: set[str] = {'console'}",
+        "metrics.dir: str = 'runs'",
+        "metrics.peak_flops: float | None = None",
+        "metrics.run_name: str | None = None",
     ]
 
 
 def test_all_snapshot():
     assert sorted(config_module.__all__) == [
+        "CPConfig",
         "ComputeConfig",
         "Config",
         "DPConfig",
@@ -482,6 +537,8 @@ def test_all_snapshot():
         "DistConfig",
         "FSDPConfig",
         "MemoryConfig",
+        "MetricsConfig",
+        "PPConfig",
         "TPConfig",
         "field_docs",
     ]

@@ -1,8 +1,8 @@
 """The package layout: the public surface stays where it was, modules stay small, and layers import downward.
 
 Layers, lowest first; a module imports only from its own layer or below (``torchacc/__init__.py`` and
-the public face ``torchacc.dist`` sit on top and may import anything):
-``_utils`` < ``distributed`` < ``config`` < ``data``, ``parallel``, ``checkpoint`` < ``strategy`` < ``cli``.
+the public face ``torchacc.dist`` sit on top and may import anything): ``_utils`` < ``distributed`` <
+``config`` < ``data``, ``parallel``, ``checkpoint``, ``metrics`` < ``strategy`` < ``cli``.
 """
 
 import ast
@@ -19,6 +19,7 @@ LAYERS = {
     "data": 3,
     "parallel": 3,
     "checkpoint": 3,
+    "metrics": 3,
     "strategy": 4,
     "cli": 5,
     "__main__": 5,
@@ -32,6 +33,7 @@ PUBLIC = {
         "accelerate", "init_empty_weights", "GradScaler", "clip_grad_norm_", "FSDP2Strategy", "save", "load",
         "optim_state_dict", "load_optim_state_dict", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
         "resume_latest", "consolidate", "reshard_checkpoint", "export_hf", "dist", "memory_report", "MemoryReport",
+        "MetricsConfig", "log_metrics", "last_metrics",
     ],
     "torchacc.dist": [
         "init_distributed", "rank", "world_size", "local_rank", "local_world_size", "is_master_ordinal", "device",
@@ -44,11 +46,15 @@ PUBLIC = {
     ],
     "torchacc.config": [
         "Config", "ComputeConfig", "MemoryConfig", "DistConfig", "DPConfig", "FSDPConfig", "DataLoaderConfig",
-        "field_docs",
+        "MetricsConfig", "field_docs",
     ],
     "torchacc.data": ["shard_dataloader", "ShardedDataLoader", "move_to_device"],
     "torchacc.strategy": ["FSDP2Strategy"],
-    "torchacc.cli": ["main"],
+    "torchacc.cli": ["main", "COMMANDS"],
+    "torchacc.metrics": [
+        "install_metrics", "watch_loader", "note_grad_norm", "log_metrics", "last_metrics", "close_metrics",
+        "plot_metrics", "Recorder", "KEYS",
+    ],
 }  # fmt: skip
 
 

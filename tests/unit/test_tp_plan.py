@@ -221,6 +221,8 @@ def _region(styles: dict[str, str]) -> list[str]:
         ("phi", "auto", ["self_attn.q_layernorm", "self_attn.k_layernorm"]),
         ("phi3", "auto", []),  # its packed layers gather their output: nothing runs split
         ("gpt_neox", "auto", []),  # query_key_value groups q, k, v per head: colwise is right, not refused
+        ("olmo2", "auto", []),  # q/k/v gather their output, so q_norm and k_norm see every head
+        ("cohere", "auto", []),
     ],
 )
 def test_norms_inside_the_split_region_sum_their_gradients_and_no_others(family, plan, expected):
@@ -345,6 +347,129 @@ def test_a_plan_may_name_the_region_itself():
     ],
 )
 def test_what_the_structure_cannot_settle_is_refused_with_the_style_to_name(build, plan, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_tp_plan(build(), plan, size=2)
+
+
+class _FlatBlock(nn.Module):
+    """A block holding its colwise and rowwise layers itself (TinyNet's Block), with ``extra`` beside them."""
+
+    def __init__(self, extra: str = "") -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)  # a pre-norm: as wide as the block's input
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        if extra == "gate":  # x + fc2(gate * act(fc1(x))): one number applied to the split features
+            self.gate = nn.Parameter(torch.tensor(0.5))
+        if extra == "prelu":  # x + fc2(prelu(fc1(x))): PReLU's one weight, in a module of its own
+            self.act = nn.PReLU()
+        if extra == "layer_scale":  # ConvNeXt's gamma: x + gamma * fc2(...), as wide as the residual stream
+            self.gamma = nn.Parameter(torch.ones(16))
+        if extra == "head_norm":  # a norm over a head of the split features, in the block itself
+            self.head_norm = nn.RMSNorm(4)
+
+
+def _flat(extra: str = "") -> nn.Module:
+    model = nn.Module()
+    model.layers = nn.ModuleList(_FlatBlock(extra) for _ in range(2))
+    return model
+
+
+_FLAT_PLAN = {"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"}
+
+
+def _linears(*shapes: tuple[int, int], names: tuple[str, ...] = ("a", "b")) -> nn.Module:
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.attn = nn.Module()
+        for name, (fan_in, fan_out) in zip(names, shapes, strict=True):
+            setattr(layer.attn, name, nn.Linear(fan_in, fan_out))
+    return model
+
+
+def test_a_block_holding_the_split_layers_itself_keeps_what_is_as_wide_as_its_input_whole():
+    assert resolve_tp_plan(_flat("layer_scale"), _FLAT_PLAN, size=2).styles.keys() == {
+        f"layers.{i}.{n}" for i in range(2) for n in ("fc1", "fc2")
+    }
+    styles = resolve_tp_plan(_flat("head_norm"), _FLAT_PLAN, size=2).styles
+    assert _region(styles) == ["layers.0.head_norm", "layers.1.head_norm"]
+
+
+@pytest.mark.parametrize(
+    ("build", "plan", "message"),
+    [
+        (
+            lambda: _flat("gate"),
+            _FLAT_PLAN,
+            "dist.tp.plan: layers.0.gate (one number) is a parameter of layers.0 itself, which holds the 'colwise' "
+            "layer(s) layers.0.fc1; torchacc cannot tell whether it is applied to this rank's features only",
+        ),
+        (
+            lambda: _flat("prelu"),
+            _FLAT_PLAN,
+            "dist.tp.plan: layers.0.act (a PReLU of one number) sits inside layers.0, which holds the 'colwise' "
+            "layer(s) layers.0.fc1, and the plan leaves it whole; torchacc cannot tell",
+        ),
+        (
+            # lucidrains' attention: q, k and v in one Linear, chunked in three
+            lambda: _linears((16, 48), (16, 16), names=("to_qkv", "to_out")),
+            {"layers.*.attn.to_qkv": "colwise", "layers.*.attn.to_out": "rowwise"},
+            "dist.tp.plan: layers.0.attn.to_qkv looks like a packed layer, several projections stacked in one weight "
+            "(its name 'to_qkv' is that of a packed layer)",
+        ),
+        (
+            lambda: _linears((16, 48), (16, 16)),  # the same by its width, whatever its name
+            {"layers.*.attn.a": "colwise", "layers.*.attn.b": "rowwise"},
+            "dist.tp.plan: layers.0.attn.a looks like a packed layer, several projections stacked in one weight "
+            "(out_features=48 is more than the in_features=16 of layers.0.attn.b, which reads its output)",
+        ),
+        (
+            lambda: _linears((16, 24), (16, 16)),  # 8 query heads and 2 key/value heads of 2 features, packed
+            {"layers.*.attn.a": "colwise", "layers.*.attn.b": "rowwise"},
+            "(out_features=24 is more than the in_features=16 of layers.0.attn.b, which reads its output)",
+        ),
+        (
+            tiny_llama,
+            {**DECODER_PLAN, "lm_head": "colwise"},
+            "dist.tp.plan: lm_head is 'colwise', but no 'rowwise' layer beside it reads its output: each rank would "
+            "keep only its share of lm_head's output features. Use 'colwise_gather_output' for lm_head",
+        ),
+        (
+            tiny_llama,
+            {"model.layers.*.mlp.down_proj": "rowwise"},
+            "dist.tp.plan: model.layers.0.mlp.down_proj is 'rowwise', which takes this rank's share of its input "
+            "features from a 'colwise' layer beside it, but there is none: use 'rowwise_split_input'",
+        ),
+        (
+            tiny_llama,  # a whole output read as if it were this rank's share
+            {f"model.layers.*.self_attn.{p}_proj": "colwise_gather_output" for p in "qkv"}
+            | {"model.layers.*.self_attn.o_proj": "rowwise"},
+            "dist.tp.plan: model.layers.0.self_attn.o_proj is 'rowwise', which takes this rank's share of its input "
+            "features from a 'colwise' layer beside it, but there is none",
+        ),
+        (
+            tiny_llama,
+            {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}
+            | {"model.layers.*.self_attn.o_proj": "rowwise_split_input"},
+            "dist.tp.plan: model.layers.0.self_attn.o_proj is 'rowwise_split_input', which splits a whole input "
+            "itself, but the 'colwise' layer(s) model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, "
+            "model.layers.0.self_attn.v_proj beside it give it only this rank's share: use 'rowwise'",
+        ),
+        (
+            lambda: tiny_decoder("cohere", use_qk_norm=True),
+            "auto",
+            "dist.tp.plan: model.layers.0.self_attn.q_norm (a CohereLayerNorm) holds one weight per attention head "
+            "(weight of shape (4, 16))",
+        ),
+        (
+            lambda: tiny_decoder("olmo2"),
+            DECODER_PLAN,
+            "dist.tp.plan: model.layers.0.self_attn.k_norm (a Olmo2RMSNorm over 32 features) normalizes the whole "
+            "output of model.layers.0.self_attn.k_proj, which 'colwise' splits",
+        ),
+    ],
+)
+def test_a_plan_that_would_compute_the_wrong_thing_or_fail_inside_dtensor_is_refused(build, plan, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         resolve_tp_plan(build(), plan, size=2)
 

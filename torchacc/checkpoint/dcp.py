@@ -7,6 +7,11 @@ files, ``.metadata``, ``checksums.json``, the marker), ``.checkpoint-3.incomplet
 
 [Note: per-rank extra] DCP keeps one copy of each non-tensor entry, so ``extra`` and the random states are
 kept under one key per rank (``extra/rank-<r>``, ``rng/rank-<r>``): every rank gets back what it saved.
+
+[Note: pipeline checkpoints] Under pipeline parallelism each rank saves its stages' tensors under the plain
+model's names, and DCP puts them together: the checkpoint holds the whole model, and loads at any layout. The
+optimizer's param groups (one non-tensor entry) are merged over the stages before saving (each group's parameter
+names in stage order), and a pipelined model loading a checkpoint takes its own stages' parameters from them.
 """
 
 import os
@@ -14,6 +19,7 @@ import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -26,7 +32,7 @@ from .optimizer import optim_state_dict
 from .rng import get_rng_state
 from .writing import save_dcp, wait_for_save
 
-__all__ = ["save_checkpoint", "save_state", "layout_of", "FORMAT", "LATEST"]
+__all__ = ["save_checkpoint", "save_state", "layout_of", "pipeline_group_of", "FORMAT", "LATEST"]
 
 LATEST = directory.LATEST
 FORMAT = "torchacc-dcp/2"  # 1: non-tensor entries pickled, one extra for all ranks
@@ -116,7 +122,7 @@ def save_state(
     if optimizer is not None:
         osd = optim_state_dict(model, optimizer)
         state.update({f"optim/{name}/{k}": v for name, values in osd["state"].items() for k, v in values.items()})
-        state["optim_param_groups"] = storage.encode(osd["param_groups"])
+        state["optim_param_groups"] = storage.encode(_merged_groups(model, osd["param_groups"]))
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
             state[key] = storage.encode(obj.state_dict())
@@ -138,6 +144,33 @@ def layout_of(model: nn.Module) -> str:
     """How the ranks split ``model`` (``"fsdp=2 x tp=2"``): random states are restored only into the same layout."""
     accelerated = accelerated_state(model)
     return f"{env.world_size()} rank(s)" + (f", {accelerated.layout.dims.describe()}" if accelerated else "")
+
+
+def pipeline_group_of(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group of ``model``'s pipeline (the ranks holding its other stages), or None without one."""
+    state = accelerated_state(model)
+    if state is None or state.layout.dims.pp == 1 or state.mesh is None:
+        return None
+    return state.mesh.get_group("pp")
+
+
+def _merged_groups(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` with the other pipeline stages' parameter names added: see [Note: pipeline checkpoints]."""
+    group = pipeline_group_of(model)
+    if group is None:
+        return groups
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, groups, group=group)
+    merged = [{**g, "params": []} for g in stages[0]]
+    for stage in stages:
+        if len(stage) != len(merged):
+            raise ValueError(
+                f"the optimizer has {len(stage)} param groups on one pipeline stage and {len(merged)} on another; "
+                "build it the same way on every rank (e.g. torch.optim.AdamW(model.parameters()))"
+            )
+        for into, g in zip(merged, stage, strict=True):
+            into["params"] += g["params"]
+    return merged
 
 
 def _check_args(model: Any, scheduler: Any, dataloader: Any, extra: Any, keep: Any) -> None:

@@ -1,11 +1,13 @@
 """Loading torchacc checkpoints: ``load_checkpoint``, ``resume_latest``, and ``load_dcp``, the one DCP loader
-(the strategy's sharded files go through it too). See ``dcp.py`` for the layout and [Note: per-rank extra].
+(the strategy's sharded files go through it too). See ``dcp.py`` for the layout, [Note: per-rank extra] and
+[Note: pipeline checkpoints].
 """
 
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -15,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from .._utils.logging import warn_once
 from ..distributed import env
 from . import storage
-from .dcp import LATEST, layout_of
+from .dcp import LATEST, layout_of, pipeline_group_of
 from .directory import latest_checkpoint, require_latest
 from .optimizer import load_optim_state_dict, named_parameters
 from .rng import set_rng_state
@@ -109,8 +111,11 @@ def load_checkpoint(
     saved = metadata.state_dict_metadata
     model_state = get_model_state_dict(model)
     state: dict[str, Any] = {f"model/{k}": v for k, v in model_state.items()}
+    others = _other_stages_keys(model, state)  # held by this model's other pipeline stages
     missing = sorted(k.removeprefix("model/") for k in state if k not in saved)
-    unexpected = sorted(k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in state)
+    unexpected = sorted(
+        k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in state and k not in others
+    )
     if missing or unexpected:
         raise ValueError(f"{path}: the model does not match the checkpoint: missing {missing}, unexpected {unexpected}")
     if optimizer is not None:
@@ -119,6 +124,8 @@ def load_checkpoint(
         for key, meta in saved.items():
             if key.startswith("optim/"):
                 name = key.removeprefix("optim/").rpartition("/")[0]
+                if f"model/{name}" in others:
+                    continue
                 state[key] = _template(params.get(name), meta, name, path)
         state["optim_param_groups"] = None
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
@@ -136,7 +143,10 @@ def load_checkpoint(
 
     set_model_state_dict(model, {k: state[f"model/{k}"] for k in model_state}, options=StateDictOptions(strict=True))
     if optimizer is not None:
-        osd: dict[str, Any] = {"state": {}, "param_groups": decoded("optim_param_groups", "optimizer groups")}
+        groups = decoded("optim_param_groups", "optimizer groups")
+        if others:  # a pipeline stage takes its own parameters from the groups of every stage
+            groups = [{**g, "params": [n for n in g["params"] if f"model/{n}" not in others]} for g in groups]
+        osd: dict[str, Any] = {"state": {}, "param_groups": groups}
         for key, value in state.items():
             if key.startswith("optim/"):
                 name, _, state_key = key.removeprefix("optim/").rpartition("/")
@@ -192,6 +202,16 @@ def _restore_rng(rng: dict[str, Any], saved: str | None, model: nn.Module, path:
         set_rng_state(rng)
     else:
         warn_once(f"{path}: saved by {saved}, loaded by {current}: the ranks keep their own random states")
+
+
+def _other_stages_keys(model: nn.Module, own: dict[str, Any]) -> set[str]:
+    """The ``model/`` keys that the other pipeline stages of ``model`` hold (empty without a pipeline)."""
+    group = pipeline_group_of(model)
+    if group is None:
+        return set()
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, sorted(own), group=group)
+    return {key for keys in stages for key in keys} - set(own)
 
 
 def _extra_key(saved: dict[str, Any], path: str) -> str:

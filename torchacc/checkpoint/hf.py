@@ -1,6 +1,5 @@
 """Hugging Face export (``export_hf``): a ``from_pretrained`` directory from a live accelerated model or from files,
-written as safetensors one tensor at a time (from a live model: gathered one at a time), so memory for about one
-tensor, not the model."""
+written as safetensors one tensor at a time (gathered one at a time): memory for about one tensor, not the model."""
 
 import json
 import os
@@ -17,7 +16,7 @@ from .._utils.tied import tied_names
 from ..distributed import env
 from ..distributed.collectives import meet, raise_on_any_rank
 from ._format.safetensors_writer import StreamingSafetensorsWriter
-from .state import canonical_name
+from .state import canonical_name, require_whole_model
 
 __all__ = ["export_hf", "save_pretrained", "SAVE_CONFIG_HINT", "config_problem", "require_transformers"]
 
@@ -39,6 +38,7 @@ def _dict_source(state: dict[str, torch.Tensor]) -> Source:
 
 def _live_source(model: nn.Module) -> Source:
     """Every rank gathers each tensor in turn (a collective); only rank 0 keeps it."""
+    require_whole_model(model)
     aliases = tied_names(model.named_parameters(remove_duplicate=False))
     state = {k: v for k, v in model.state_dict().items() if canonical_name(k) not in aliases}
 

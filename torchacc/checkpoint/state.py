@@ -12,6 +12,8 @@ of the full tensor: the offline tools read nothing else.
 ``"run_id"`` (a hex string, the same on every rank of one accelerated model and new for each
 ``accelerate()``) tells the files of two runs apart, so the offline tools never merge them; files
 saved before it existed have none and are accepted, unless mixed with files that have one.
+Under pipeline parallelism each rank holds only its stages' tensors: ``"pipeline": {"rank", "size"}`` says which
+stage group the rank belongs to, so that the offline tools take each tensor from the ranks that hold it.
 """
 
 from typing import Any
@@ -27,7 +29,7 @@ from ..distributed import env
 from ..parallel.accelerated import accelerated_state
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
-__all__ += ["dtensor_like", "gather_full", "is_sharded", "canonical_name"]
+__all__ += ["dtensor_like", "gather_full", "require_whole_model", "is_sharded", "canonical_name"]
 
 FORMAT = "torchacc-shards/1"
 
@@ -104,7 +106,8 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
         "tensors": {key: {"kind", "shape", "dtype", "placements", "offset", "local_shape"[, "mesh"]}}}``; a
         tensor's ``"mesh"`` is there only where its mesh differs from the top-level one (tensor parallelism).
         Buffers (and every tensor of a replicated or single-process model) are ``["replicate"]``.
-        ``"run_id"`` is left out for a model that torchacc did not accelerate.
+        ``"run_id"`` is left out for a model that torchacc did not accelerate; ``"pipeline": {"rank", "size"}``
+        is there only under pipeline parallelism (this rank's stage group, and how many there are).
 
     Raises:
         ValueError: a DTensor with a placement that has no piece of its own (``Partial``).
@@ -141,6 +144,8 @@ def get_shard_metadata(model: nn.Module) -> dict[str, Any]:
     accelerated = accelerated_state(model)
     if accelerated is not None:
         meta["run_id"] = accelerated.run_id
+        if accelerated.layout.dims.pp > 1 and accelerated.mesh is not None:
+            meta["pipeline"] = {"rank": accelerated.mesh["pp"].get_local_rank(), "size": accelerated.layout.dims.pp}
     return meta
 
 
@@ -212,6 +217,18 @@ def gather_full(obj: Any, *, keep: bool = True, defaultdict_as_dict: bool = Fals
         return tensor.detach().cpu() if keep else None
 
     return map_tensors(full, obj, defaultdict_as_dict=defaultdict_as_dict)
+
+
+def require_whole_model(model: nn.Module) -> None:
+    """Raise, on every rank, for a pipelined model (``dist.pp.size > 1``): no rank holds the other stages, so
+    the whole model cannot be gathered on one (a full state dict, ``save_model``, a live ``export_hf``)."""
+    accelerated = accelerated_state(model)
+    if accelerated is not None and accelerated.layout.dims.pp > 1:
+        raise ValueError(
+            "gathering the whole model on one rank (FSDP2Strategy state_dict_type='full', save_model) does not work "
+            "under dist.pp.size > 1, where each rank holds only its pipeline stages; save a sharded checkpoint "
+            "(state_dict_type='sharded', save_ckpt, torchacc.save_checkpoint) and consolidate it offline"
+        )
 
 
 def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -> DTensor | None:

@@ -20,13 +20,17 @@ from typing import Any
 
 from . import _io as _config_io
 from ._io import Node, fmt
+from ._rules import validate_metrics, validate_pp
 from .sections import (
     ComputeConfig,
+    CPConfig,
     DataLoaderConfig,
     DistConfig,
     DPConfig,
     FSDPConfig,
     MemoryConfig,
+    MetricsConfig,
+    PPConfig,
     TPConfig,
     field_docs,
 )
@@ -34,11 +38,14 @@ from .sections import (
 __all__ = [
     "ComputeConfig",
     "Config",
+    "CPConfig",
     "DPConfig",
     "DataLoaderConfig",
     "DistConfig",
     "FSDPConfig",
     "MemoryConfig",
+    "PPConfig",
+    "MetricsConfig",
     "TPConfig",
 ]
 __all__ += ["field_docs"]  # reused by the docs generator
@@ -56,6 +63,8 @@ class Config(Node):
     """Parallel layout and process-group settings."""
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     """DataLoader sharding and prefetching."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Records of loss, throughput, MFU, memory and gradient norm every few steps (off by default)."""
 
     def validate(self, world_size: int) -> None:
         """Type-check every field, normalize sets given as lists, then apply the value and cross-field rules.
@@ -85,25 +94,40 @@ class Config(Node):
             raise ValueError(
                 "compute.bf16 and compute.fp16 are both True, but they exclude each other; set one to False"
             )
-        tp = d.tp.size
-        for name, size, what in (("fsdp", fsdp, "sharding"), ("tp", tp, "tensor parallelism")):
+        tp, pp, cp = d.tp.size, d.pp.size, d.cp.size
+        axes = (
+            ("pp", pp, "pipeline parallelism"),
+            ("fsdp", fsdp, "sharding"),
+            ("tp", tp, "tensor parallelism"),
+            ("cp", cp, "context parallelism"),
+        )
+        for name, size, what in axes[1:]:
             if size < 1:
                 raise ValueError(f"dist.{name}.size must be >= 1, got {size}; use 1 to disable {what}")
+        if pp < 1:
+            raise ValueError(f"dist.pp.size must be >= 1, got {pp}; use 1 to disable pipeline parallelism")
         divisors = f"choose a divisor of {ws}: {', '.join(str(n) for n in range(1, ws + 1) if ws % n == 0)}"
-        if fsdp * tp > ws:
-            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+        split = pp * fsdp * tp * cp  # the ranks of one model replica (dp multiplies it to the world size)
+        named = [(f"dist.{name}.size", size) for name, size, _ in axes if name == "fsdp" or size > 1]
+        what = " * ".join(f"{path}={size}" for path, size in named) + (f" = {split}" if len(named) > 1 else "")
+        if split > ws:
             raise ValueError(f"{what} exceeds world size {ws}; {divisors}")
-        if ws % (fsdp * tp):
-            what = f"dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp} = {fsdp * tp}" if tp > 1 else "")
+        if ws % split:
             raise ValueError(f"{what} does not divide world size {ws}; {divisors}")
         if dp is not None and dp < 1:
             raise ValueError(f"dist.dp.size must be None or >= 1, got {dp}; leave it None to infer it")
-        if dp is not None and dp * fsdp * tp != ws:
-            product = f"dist.dp.size={dp} * dist.fsdp.size={fsdp}" + (f" * dist.tp.size={tp}" if tp > 1 else "")
+        if dp is not None and dp * split != ws:
+            product = " * ".join([f"dist.dp.size={dp}", *(f"{path}={size}" for path, size in named)])
             raise ValueError(
-                f"dist.dp.size * dist.fsdp.size{' * dist.tp.size' if tp > 1 else ''} must equal world size {ws}, "
-                f"got {product} = {dp * fsdp * tp}; set dist.dp.size={ws // (fsdp * tp)} or leave it None to infer it"
+                f"{' * '.join(['dist.dp.size', *(path for path, _ in named)])} must equal world size {ws}, "
+                f"got {product} = {dp * split}; set dist.dp.size={ws // split} or leave it None to infer it"
             )
+        if d.cp.method not in ("ulysses", "ring"):
+            raise ValueError(
+                f"dist.cp.method={d.cp.method!r} is not supported; use 'ulysses' (all-to-all, CPU and GPU) or 'ring' "
+                "(torch's ring attention, CUDA only)"
+            )
+        validate_pp(d)
         if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
             raise ValueError(
                 f"dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got "
@@ -153,9 +177,11 @@ class Config(Node):
                 "memory.gc=True but memory.gc_cls and dist.fsdp.wrap_layer_cls are both empty, so nothing would be "
                 "checkpointed; set one of them, e.g. memory.gc_cls={'GPT2Block'}"
             )
+        validate_metrics(self.metrics)
 
     def resolved_dp_size(self, world_size: int) -> int:
-        """Return ``dist.dp.size``, or ``world_size // (dist.fsdp.size * dist.tp.size)`` when it is None.
+        """Return ``dist.dp.size``, or ``world_size // (dist.pp.size * dist.fsdp.size * dist.tp.size * dist.cp.size)``
+        when it is None.
 
         Args:
             world_size: Number of processes in the job.
@@ -169,7 +195,7 @@ class Config(Node):
         self.validate(world_size)
         if self.dist.dp.size is not None:
             return self.dist.dp.size
-        return world_size // (self.dist.fsdp.size * self.dist.tp.size)
+        return world_size // (self.dist.fsdp.size * self.dist.tp.size * self.dist.pp.size * self.dist.cp.size)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the tree as nested plain dicts; sets become sorted lists, so the YAML stays plain."""

@@ -17,10 +17,16 @@ __all__ = [
     "DPConfig",
     "FSDPConfig",
     "TPConfig",
+    "PPConfig",
+    "CPConfig",
     "DistConfig",
     "DataLoaderConfig",
+    "MetricsConfig",
+    "SINKS",
     "field_docs",
 ]
+
+SINKS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,20 +130,71 @@ class TPConfig(Node):
 
 
 @dataclass(kw_only=True, slots=True)
+class PPConfig(Node):
+    """Pipeline parallelism: the model's blocks split into stages on different ranks (``torch.distributed.pipelining``).
+    Train with ``loss = torchacc.train_step(model, batch)``; see docs/pipeline_parallel.md."""
+
+    _path: ClassVar[str] = "dist.pp"
+    size: int = 1
+    """Number of pipeline ranks, each holding a different part of the model (the outermost mesh axis); 1 disables
+    it. dist.pp.size * dist.dp.size * dist.fsdp.size * dist.tp.size must equal the world size. Under a pipeline each
+    stage keeps its parameters gathered from forward to backward (dist.fsdp.reshard_after_forward is False)."""
+    schedule: str = "1F1B"
+    """The pipeline schedule: "1F1B" (one forward, one backward in the steady state: activations of at most
+    dist.pp.size microbatches are alive), "GPipe" (all forwards, then all backwards: activations of every
+    microbatch are alive) or "Interleaved1F1B" (dist.pp.stages_per_rank stages per rank: a smaller bubble for
+    more transfers)."""
+    stages_per_rank: int = 1
+    """Stages each rank holds: 1 for "1F1B" and "GPipe", 2 or more for "Interleaved1F1B" (rank r then holds
+    stages r, r + size, r + 2 * size, ...)."""
+    microbatches: int | None = None
+    """Microbatches each batch is cut into (it must divide the batch size); None: the number of stages
+    (dist.pp.size * dist.pp.stages_per_rank), the fewest that 1F1B accepts. More microbatches shrink the bubble,
+    (stages - 1) / (microbatches + stages - 1) of the step."""
+    split: list[str] = field(default_factory=list)
+    """Where stages begin: the names of the blocks that start stage 1, 2, ... (one fewer than the stages), e.g.
+    ["model.layers.6"] for 2 stages. Empty: the blocks (the dist.fsdp.wrap_layer_cls modules) are divided evenly,
+    earlier stages taking one more when they do not divide; the embedding goes with the first stage, the final
+    norm and the head with the last."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CPConfig(Node):
+    """Context parallelism: each sequence split along its length over a group of ranks (see
+    docs/context_parallel.md)."""
+
+    _path: ClassVar[str] = "dist.cp"
+    size: int = 1
+    """Number of ranks that split each sequence; 1 disables it. They take the same samples, each its own chunk of
+    every sequence, and FSDP shards the parameters over dist.fsdp.size * dist.cp.size ranks. dist.dp.size *
+    dist.fsdp.size * dist.cp.size * dist.tp.size must equal the world size. A sequence whose length is not a
+    multiple of the size (twice the size with "ring") is padded at its end; the padding has no targets."""
+    method: str = "ulysses"
+    """How attention sees the whole sequence: "ulysses" (two all-to-alls around each attention: the chunks of all
+    ranks are exchanged for a share of the heads, so dist.cp.size, times dist.tp.size with TP, must divide the
+    attention and key/value heads; CPU and GPU) or "ring" (torch's ring attention, which passes key/value chunks
+    around the ranks; CUDA only, causal attention without padding)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class DistConfig(Node):
     """Distributed layout: the parallel axes, their sizes and order, and the process-group timeout."""
 
     _path: ClassVar[str] = "dist"
+    pp: PPConfig = field(default_factory=PPConfig)
+    """Pipeline parallelism (stages of the model on different ranks)."""
     dp: DPConfig = field(default_factory=DPConfig)
     """Data parallelism (replicas)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Fully sharded data parallelism (sharding within one replica)."""
     tp: TPConfig = field(default_factory=TPConfig)
     """Tensor parallelism (splitting each layer)."""
+    cp: CPConfig = field(default_factory=CPConfig)
+    """Context parallelism (splitting each sequence)."""
     topology: list[str] = field(default_factory=lambda: ["dp", "fsdp"])
     """Order of the parallel axes in the rank layout, outermost first: a permutation of ["dp", "fsdp"] ("tp" is
     then innermost) or of ["dp", "fsdp", "tp"]. With the default, the ranks of one TP group are contiguous (one
-    node), then the ranks that shard one model."""
+    node), then the ranks that shard one model. The ranks of one CP group (dist.cp) sit just outside "tp"."""
     timeout: float = 1800.0
     """Seconds a collective may wait before the job fails (the process-group timeout)."""
 
@@ -157,6 +214,33 @@ class DataLoaderConfig(Node):
     """Copy the next batch to the device while the current one computes."""
     shard: bool = True
     """Split the dataset across data-parallel ranks; False only places batches on the device."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig(Node):
+    """Watching a run: a record of loss, throughput, MFU, memory and gradient norm every few optimizer steps
+    (docs/watching.md)."""
+
+    _path: ClassVar[str] = "metrics"
+    every: int = 0
+    """Write a record every N optimizer steps; 0 (the default) turns metrics off: no hook, no collective. A logged
+    step costs one small all-gather over the ranks (and the gradient norm, unless the step was clipped with
+    ``torchacc.clip_grad_norm_``); the other steps cost no collective and no host-device sync."""
+    sinks: set[str] = field(default_factory=lambda: {"console"})
+    """Where records go (rank 0 writes them): any of "console" (one line on stdout), "jsonl"
+    (``<dir>/metrics.jsonl``, appended), "tensorboard" (``<dir>/tensorboard/<run_name>``; needs
+    ``pip install 'torchacc[tensorboard]'``) and "wandb" (Weights & Biases, its files under ``<dir>``; needs
+    ``pip install 'torchacc[wandb]'``). Empty: records are only kept for ``torchacc.last_metrics()``."""
+    dir: str = "runs"
+    """Directory of the file sinks (created on rank 0); ``torchacc plot <dir>`` draws ``<dir>/metrics.png`` from
+    its ``metrics.jsonl``."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, the denominator of MFU; None takes it from the device name for known
+    accelerators (bf16 dense: A100 312e12, H100 SXM and H200 989e12, H100 PCIe 756e12, B200 2.25e15) and
+    leaves MFU out on the others (CPU included)."""
+    run_name: str | None = None
+    """The run's name in every sink: the TensorBoard run directory, the W&B run name and the ``run_name`` of each
+    JSONL line; None makes one from the start time, e.g. "run-20261124-153012"."""
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -6,6 +6,8 @@ The data path, by concept:
   ``DistributedSampler`` (``torchacc/data/sampler.py``);
 * iteration and resume position: :class:`ShardedDataLoader` (``torchacc/data/loader.py``);
 * device placement: :func:`move_to_device` and the CUDA side-stream prefetch (``torchacc/data/placement.py``).
+* context parallelism: each rank's chunk of every sequence, labels shifted first (``torchacc/data/context.py``),
+  applied to every batch through ``shard_dataloader(transform=...)``.
 
 All three public names are importable from here.
 
@@ -21,6 +23,8 @@ that already discards incomplete batches also discards the uneven tail instead o
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -78,6 +82,7 @@ def shard_dataloader(
     seed: int = 0,
     prefetch: bool = True,
     shard: bool = True,
+    transform: Callable[[Any], Any] | None = None,
 ) -> ShardedDataLoader:
     """Rebuild ``loader`` so this rank sees only its share of the data, with batches on ``device``.
 
@@ -100,6 +105,8 @@ def shard_dataloader(
             No effect on other devices.
         shard: False skips the rebuild and only places batches on ``device`` (for data that is
             already split per rank). ``shuffle`` and ``drop_last`` are then ignored.
+        transform: applied to every batch before it is placed, e.g. context parallelism's
+            ``split_sequences`` (``torchacc/data/context.py``); also with ``shard=False``.
 
     Returns:
         A :class:`ShardedDataLoader` over this rank's batches.
@@ -124,7 +131,7 @@ def shard_dataloader(
     if not shard:
         if shuffle is not None or drop_last is not None:
             warnings.warn("shard=False: shuffle and drop_last are ignored; the loader is used as given.", stacklevel=2)
-        return ShardedDataLoader(loader, device=device, prefetch=prefetch)
+        return ShardedDataLoader(loader, device=device, prefetch=prefetch, transform=transform)
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
     if not 0 <= rank < num_replicas:
@@ -155,4 +162,4 @@ def shard_dataloader(
         pin_memory_device=loader.pin_memory_device,
         in_order=loader.in_order,
     )
-    return ShardedDataLoader(rebuilt, device=device, prefetch=prefetch)
+    return ShardedDataLoader(rebuilt, device=device, prefetch=prefetch, transform=transform)

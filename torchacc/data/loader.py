@@ -9,7 +9,7 @@ save and restore the position in the data; see [Note: Resuming mid-epoch] in
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ._epoch import apply_epoch, record_user_epochs, take_user_epoch
+from .observe import BatchObserver, observed
 from .placement import place_batches
 from .sampler import MATCHED_FIELDS, STATE_VERSION, ResumableDistributedSampler, batch_count, check_state
 
@@ -50,6 +51,7 @@ class ShardedDataLoader:
     Attributes:
         loader: The torch DataLoader that is iterated (rebuilt, or the user's one if not sharded).
         device: Where batches are placed.
+        transform: Applied to every batch before it is placed (context parallelism's sequence split), or None.
 
     Example:
         >>> state = loader.state_dict()  # after some steps; store it with the model checkpoint
@@ -61,14 +63,23 @@ class ShardedDataLoader:
         ...         ...
     """
 
-    def __init__(self, loader: DataLoader, *, device: torch.device, prefetch: bool = True) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        *,
+        device: torch.device,
+        prefetch: bool = True,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.loader = loader
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.transform = transform
         self._epoch = 0
         self._progress: _Progress | None = None  # the latest pass
         self._resume: _Progress | None = None  # a loaded position the next pass starts at
         self._skip_reads = 0  # batches an unsharded resumed pass reads and discards
+        self._observer: BatchObserver | None = None
         record_user_epochs(loader.sampler)
 
     @property
@@ -211,6 +222,10 @@ class ShardedDataLoader:
             self._resume = _Progress(epoch, split_start=sampler.split_start)
         self._epoch = epoch
 
+    def observe(self, observer: BatchObserver | None) -> None:
+        """Report the batches of every later pass to ``observer`` (None stops it); see ``BatchObserver``."""
+        self._observer = observer
+
     def _take_user_epoch(self) -> None:
         # See [Note: The set_epoch idiom] in torchacc.data._epoch.
         epoch = take_user_epoch(self.loader.sampler)
@@ -261,16 +276,16 @@ class ShardedDataLoader:
         progress = _Progress(start.epoch, start.split_start, start.batches, left=self._len_or_none(self._skip_reads))
         self._progress = progress
         self._epoch += 1
-        if start.batches or start.split_start:
-            # Resumed mid-epoch: the uninterrupted run drew the iterator's seed from the global generator at the
-            # start of the epoch, before the random state that load_checkpoint restores; drawing it again here
-            # would shift every later draw (dropout masks).
-            with torch.random.fork_rng(devices=[]):
-                batches = iter(self.loader)
-        else:
+        # Resumed mid-epoch, the iterator's seed was drawn from the global generator before the random state that
+        # load_checkpoint restores; drawing it again would shift every later draw (dropout masks).
+        with torch.random.fork_rng(devices=[], enabled=bool(start.batches or start.split_start)):
             batches = iter(self.loader)
         if self._skip_reads:
             batches = itertools.islice(batches, self._skip_reads, None)
+        if self.transform is not None:
+            batches = map(self.transform, batches)
+        if self._observer is not None:
+            return self._count(observed(batches, self._observer, self.device, prefetch=self.prefetch), progress)
         return self._count(place_batches(batches, self.device, prefetch=self.prefetch), progress)
 
     def _count(self, batches: Iterator[Any], progress: _Progress) -> Iterator[Any]:

@@ -8,6 +8,7 @@ bottom-up then the root, or DDP -> meta-device materialization -> mixed precisio
 engine (``torchacc/parallel/engine.py``) is shared with ``FSDP2Strategy``.
 """
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -19,7 +20,9 @@ from torch.utils.data import DataLoader
 from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
+from ..metrics import install_metrics
 from .agree import agree_on_config, report_config_error
+from .context import sequence_split
 from .engine import remap_optimizer, shard_model
 from .layout import Layout
 from .plan import plan_model
@@ -78,7 +81,8 @@ def accelerate(
         plan = plan_model(model, layout, optimizer=optimizer)
         loader = None
         if dataloader is not None:
-            # the ranks of one TP group take the same batches: the sampler runs over the dp x fsdp ranks
+            # the ranks of one TP or CP group (or pipeline) take the same batches: the sampler runs over the dp x fsdp
+            # ranks
             loader = shard_dataloader(
                 dataloader,
                 num_replicas=layout.dims.num_data_ranks,
@@ -89,6 +93,7 @@ def accelerate(
                 seed=config.dataloader.seed,
                 prefetch=config.dataloader.prefetch,
                 shard=config.dataloader.shard,
+                transform=sequence_split(layout, rank),  # CP: this rank's chunk of every sequence
             )
     except (ValueError, TypeError) as exc:
         if world_size > 1:
@@ -100,6 +105,7 @@ def accelerate(
     agree_on_config(config, None)
     mesh = layout.dims.build_mesh(device.type)
     shard_model(model, layout, plan, mesh=mesh, device=device)
+    install_metrics(model, loader, **dataclasses.asdict(config.metrics))  # metrics.every=0: installs nothing
     if optimizer is not None:
         remap_optimizer(optimizer, model)
         return model, loader, optimizer
@@ -108,19 +114,26 @@ def accelerate(
 
 def _require_torchrun(config: Config, world_size: int) -> None:
     """A layout of several ranks run as plain ``python train.py``: say how to launch it."""
-    wanted = config.dist.fsdp.size * config.dist.tp.size * (config.dist.dp.size or 1)
+    wanted = config.dist.fsdp.size * config.dist.tp.size * config.dist.pp.size * config.dist.cp.size
+    wanted *= config.dist.dp.size or 1
     if world_size == 1 and wanted > 1 and "WORLD_SIZE" not in os.environ:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         script = script if script and not script.startswith("-") else "train.py"
         layout = f"dist.fsdp.size={config.dist.fsdp.size}"
         if config.dist.tp.size > 1:
             layout += f" x dist.tp.size={config.dist.tp.size}"
+        if config.dist.cp.size > 1:
+            layout += f" x dist.cp.size={config.dist.cp.size}"
+        if config.dist.pp.size > 1:
+            layout = f"dist.pp.size={config.dist.pp.size} x {layout}"
         if config.dist.dp.size:
             layout += f" x dist.dp.size={config.dist.dp.size}"
         raise ValueError(
             f"{layout} asks for {wanted} processes, but this one was not started by torchrun and runs alone; "
             f"launch it with `torchrun --nproc_per_node={wanted} {script}`, or set dist.fsdp.size=1 "
-            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}to train in one process"
+            f"{'and dist.tp.size=1 ' if config.dist.tp.size > 1 else ''}"
+            f"{'and dist.pp.size=1 ' if config.dist.pp.size > 1 else ''}"
+            f"{'and dist.cp.size=1 ' if config.dist.cp.size > 1 else ''}to train in one process"
         )
 
 

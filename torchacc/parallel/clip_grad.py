@@ -4,7 +4,8 @@ Under FSDP each rank holds a shard of every gradient, under HSDP the shards are 
 across the ``dp`` axis, and under TP the split layers' gradients are sharded over ``tp`` too. The
 norm of the full gradient sums the squared shards over the shard axes only (summing over replicas
 too would count every element several times), and is the same on every rank. Logging a per-rank
-norm instead under-reports it by about sqrt(number of shards).
+norm instead under-reports it by about sqrt(number of shards). Under pipeline parallelism each stage holds
+other parameters: the stages' sums of squares add up over the pipeline group.
 """
 
 from collections.abc import Iterable
@@ -13,14 +14,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .pipeline_step import pipeline_group
+
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
 
 def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     """The 2-norm of all gradients of ``parameters`` taken together, as if nothing were sharded.
 
-    Every rank must call it with its own (matching) parameters; it communicates once per mesh.
+    Every rank must call it with its own (matching) parameters; it communicates once per mesh (and once over the
+    pipeline when the parameters are a pipeline stage's).
     """
+    parameters = list(parameters)
     plain = torch.zeros((), dtype=torch.float64)
     per_mesh: dict[tuple, torch.Tensor] = {}
     for param in parameters:
@@ -43,6 +48,9 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
         for dim in shard_dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total = total + squares.cpu()
+    group = pipeline_group(parameters)
+    if group is not None:
+        dist.all_reduce(total, group=group)  # a CPU tensor: gloo, also in a CUDA job
     return float(total.sqrt())
 
 
@@ -63,8 +71,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, eps:
     Example:
         >>> norm = torchacc.clip_grad_norm_(model.parameters(), max_norm=1.0)
     """
+    from ..metrics.install import note_grad_norm  # here: torchacc.metrics imports this module
+
+    parameters = list(parameters)
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params)
+    norm = grad_norm(parameters)
+    note_grad_norm(norm, params)  # a metrics record of this step reuses it instead of computing it again
     coef = max_norm / (norm + eps)
     if coef < 1.0:
         for param in params:

@@ -1,8 +1,9 @@
 """The sharding engine behind both ``accelerate()`` and ``FSDP2Strategy``: one code path.
 
-After ``plan.py`` has checked the model and built the mesh, ``shard_model`` applies activation
-checkpointing, compilation, sharding (or DDP), meta-device materialization and mixed precision, in that
-order; ``remap_optimizer`` moves an optimizer built too early onto the sharded parameters.
+After ``plan.py`` has checked the model and built the mesh, ``shard_model`` cuts a pipelined model down to
+this rank's stages, then applies tensor parallelism, activation checkpointing, compilation, sharding (or DDP),
+meta-device materialization and mixed precision, in that order; ``remap_optimizer`` moves an optimizer built too
+early onto the sharded parameters.
 
 [Note: shard before moving] Under FSDP the model is not moved to the device as a whole: a 70B model
 would not fit on one GPU, and CPU offload would be defeated. ``fully_shard`` moves each unit's
@@ -25,7 +26,7 @@ from ..checkpoint.hf import save_pretrained
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
 from ..distributed.collectives import broadcast, sync_tensors
-from ..distributed.mesh import fsdp_submesh, tp_submesh
+from ..distributed.mesh import cp_submesh, fsdp_submesh, pp_submesh, tp_submesh
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
 from .accelerated import (
@@ -37,11 +38,14 @@ from .accelerated import (
     replaced_name,
 )
 from .activation_checkpoint import apply_activation_checkpointing
+from .context import apply_context_parallel
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
 from .layout import Layout
 from .memory_report import log_summary
 from .meta_init import materialize
+from .pipeline import restrict_tp_plan, split_model
+from .pipeline_step import attach_pipeline
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
 from .tp import apply_tp
@@ -103,11 +107,20 @@ def shard_model(
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
+    stages = None
+    if plan.pp is not None and layout.pipeline is not None:  # see [Note: pipeline stages] in pipeline.py
+        pipe = pp_submesh(mesh)
+        local = range(pipe.get_local_rank(), plan.pp.num_stages, layout.dims.pp)
+        stages = split_model(model, plan.pp, stages=local)
+        buffers = {name: b for name, b in buffers.items() if name in dict(model.named_buffers())}
+        attach_pipeline(model, stages, schedule=layout.pipeline, group=pipe.get_group(), device=device)
     tp_mesh = tp_submesh(mesh)
     if tp_mesh is not None:
         sync_rng(tp_mesh, device=device)  # see [Note: one random stream per TP group] in tp_rng.py
     if plan.tp is not None and parallelize_fn is None:
-        apply_tp(model, tp_mesh, plan.tp)
+        apply_tp(model, tp_mesh, restrict_tp_plan(plan.tp, model) if stages else plan.tp)
+    if plan.cp is not None:
+        apply_context_parallel(model, cp_submesh(mesh), plan.cp)
     shard_mesh = fsdp_submesh(mesh)
     checkpointing = layout.checkpointing
     if checkpointing is not None:
@@ -140,9 +153,10 @@ def shard_model(
                 offload_policy=offload,
                 forward_prefetch=layout.forward_prefetch,
                 backward_prefetch=layout.backward_prefetch,
+                roots=stages,
             )
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
-        if layout.broadcast_buffers:
+        if layout.broadcast_buffers and stages is None:  # no forward-changed buffers in the decoders PP splits
             broadcast_changed_buffers(model)
         record_parameter_names(model)  # names the parameters in optimizer-state errors
         watch_optimizers()
@@ -153,7 +167,7 @@ def shard_model(
         if plan.tp is not None:  # TP alone: DTensor parameters too (see [Note: plain optimizer loads])
             record_parameter_names(model)
             watch_optimizers()
-        if layout.dims.world_size > 1 and plan.tp is None:
+        if layout.dims.world_size > 1 and plan.tp is None and stages is None:
             wrap_ddp(
                 model,
                 sync_module_states=layout.sync_module_states and init_from is None,
@@ -168,7 +182,8 @@ def shard_model(
     # fails at its first step instead of training nothing.
     record_replaced(originals, model)
     if dtype is not None:
-        install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
+        for module in [model, *(stages or [])]:  # the stages run the training forward
+            install_precision(module, device_type=device.type, autocast_dtype=autocast_dtype)
     if mesh is not None or layout.dims.world_size > 1:
         route_forward_through_call(model)
     if not hasattr(type(model), "device"):
@@ -199,15 +214,17 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Point ``optimizer`` at the sharded parameters, sharding any state it already has like them."""
     new_params = dict(model.named_parameters())
 
-    def remap(param: nn.Parameter) -> nn.Parameter:
+    def remap(param: nn.Parameter) -> nn.Parameter | None:
         name = replaced_name(param)
-        return param if name is None else new_params[name]
+        return param if name is None else new_params.get(name)  # None: another pipeline stage holds it
 
     for group in optimizer.param_groups:
-        group["params"] = [remap(p) for p in group["params"]]
+        group["params"] = [new for new in map(remap, group["params"]) if new is not None]
     for old, state in list(optimizer.state.items()):
         new = remap(old)
         del optimizer.state[old]
+        if new is None:
+            continue
         optimizer.state[new] = {key: shard_like(new, parameter_name(new), key, v) for key, v in state.items()}
     if any(isinstance(p, DTensor) for p in new_params.values()):
         attach_load_hook(optimizer)

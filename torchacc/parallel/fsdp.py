@@ -4,7 +4,7 @@ Public as ``torchacc.dist.fsdp`` (with TorchAcc's consolidation helpers). This m
 ``Config``: ``accelerate()`` turns the config into the arguments here.
 """
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -122,6 +122,7 @@ def wrap_fsdp(
     offload_policy: OffloadPolicy | None = None,
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
+    roots: Sequence[nn.Module] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place: every module of ``layer_classes`` bottom-up, then the root.
 
@@ -141,9 +142,11 @@ def wrap_fsdp(
         offload_policy: e.g. ``CPUOffloadPolicy()`` to keep shards in CPU memory (CUDA runs).
         forward_prefetch: explicitly all-gather the next N units during forward (0: FSDP2's default).
         backward_prefetch: explicitly all-gather the next N units during backward (0: FSDP2's default).
+        roots: shard these modules last, in place of ``model`` (the stages of a pipelined model, which hold its
+            parameters between them); ``model`` itself then stays a plain module.
 
     Returns:
-        ``model`` itself, now an ``FSDPModule`` whose parameters are DTensors.
+        ``model`` itself, an ``FSDPModule`` (unless ``roots`` are given) whose parameters are DTensors.
 
     Example:
         >>> wrap_fsdp(model, mesh, {GPT2Block}, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -157,9 +160,11 @@ def wrap_fsdp(
     # named_modules() lists parents before children, so the reverse shards children first.
     for _, module in reversed(candidates):
         fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-    units = [m for _, m in candidates]
-    _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
+    for root in [model] if roots is None else roots:
+        fully_shard(root, **kwargs)
+        # a unit prefetches the next units of its own root only (a pipeline stage's blocks)
+        units = [m for _, m in candidates if any(m is sub for sub in root.modules())]
+        _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
     return model
 
 

@@ -3,9 +3,9 @@
 [Note: one layout] ``Layout.from_config`` validates the config (the only place that does) and resolves every
 setting the engine acts on into plain, frozen values: the parallel sizes and the mesh they make
 (``ParallelDims``, TorchTitan's name for it), the FSDP units and their prefetching, the precision, activation
-checkpointing, compilation, offloading, initialization and the TP plan. ``accelerate()``, ``FSDP2Strategy`` and
-the planner build it the same way and hand it to the same engine (``shard_model``), so what the planner
-describes is what ``accelerate()`` does. Nothing below the boundary reads the ``Config``.
+checkpointing, compilation, offloading, initialization, the TP plan and the pipeline schedule. ``accelerate()``,
+``FSDP2Strategy`` and the planner build it the same way and hand it to the same engine (``shard_model``), so what
+the planner describes is what ``accelerate()`` does. Nothing below the boundary reads the ``Config``.
 """
 
 from collections.abc import Mapping
@@ -16,9 +16,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import Config
-from ..distributed.mesh import build_mesh, data_parallel_rank
+from ..distributed.mesh import build_mesh, context_parallel_rank, data_parallel_rank
 
-__all__ = ["ActivationCheckpointing", "Layout", "ParallelDims"]
+__all__ = ["ActivationCheckpointing", "Layout", "ParallelDims", "PipelineSchedule"]
 
 
 @dataclass(frozen=True)
@@ -40,42 +40,78 @@ class ParallelDims:
     """Ranks that split each tensor-parallel layer (innermost unless ``topology`` says otherwise)."""
     topology: tuple[str, ...] = ("dp", "fsdp")
     """The order of the axes in the rank layout, outermost first."""
+    pp: int = 1
+    """Pipeline stages on different ranks (the outermost axis, outside ``topology``)."""
+    cp: int = 1
+    """Ranks that split each sequence (context parallelism; just outside ``tp`` in the rank layout)."""
 
     def __post_init__(self) -> None:
-        if self.dp * self.fsdp * self.tp != self.world_size:
+        if self.pp * self.dp * self.fsdp * self.tp * self.cp != self.world_size:
             raise AssertionError(f"{self} does not multiply to its world size")
 
     @property
     def num_data_ranks(self) -> int:
-        """Ranks that take different batches: ``dp * fsdp`` (the ranks of one TP group share theirs)."""
+        """Ranks that take different batches: ``dp * fsdp`` (the ranks of one TP or CP group or of one pipeline share
+        theirs)."""
         return self.dp * self.fsdp
 
     @property
     def needs_mesh(self) -> bool:
         """False for plain data parallelism and one process (DDP, or nothing, needs no mesh)."""
-        return self.fsdp > 1 or self.tp > 1
+        return self.fsdp > 1 or self.tp > 1 or self.pp > 1 or self.cp > 1
 
     @property
     def sharded(self) -> bool:
-        """True when ``fully_shard`` runs: some replica is sharded (FSDP, HSDP), or TP runs beside replicas."""
-        return self.needs_mesh and self.dp * self.fsdp > 1
+        """True when ``fully_shard`` runs: some replica is sharded (FSDP, HSDP; over ``fsdp x cp`` with context
+        parallelism), or TP or a pipeline runs beside replicas (which ``fully_shard`` then keeps in sync, with
+        shards of one rank)."""
+        return self.needs_mesh and self.dp * self.fsdp * self.cp > 1
 
     def data_parallel_rank(self, rank: int) -> int:
         """``rank``'s index among the ``num_data_ranks`` data-parallel ranks (pure arithmetic)."""
-        return data_parallel_rank(rank, dp_size=self.dp, fsdp_size=self.fsdp, tp_size=self.tp, topology=self.topology)
+        return data_parallel_rank(
+            rank,
+            dp_size=self.dp,
+            fsdp_size=self.fsdp,
+            tp_size=self.tp,
+            topology=self.topology,
+            pp_size=self.pp,
+            cp_size=self.cp,
+        )
+
+    def context_parallel_rank(self, rank: int) -> int:
+        """``rank``'s index in its CP group (the chunk of each sequence it takes); 0 without context parallelism."""
+        if self.cp == 1:
+            return 0
+        return context_parallel_rank(
+            rank,
+            dp_size=self.dp,
+            fsdp_size=self.fsdp,
+            cp_size=self.cp,
+            tp_size=self.tp,
+            topology=self.topology,
+            pp_size=self.pp,
+        )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The job's mesh under the running process group (real or fake), or None when ``needs_mesh`` is False."""
         if not self.needs_mesh:
             return None
         return build_mesh(
-            device_type=device_type, dp_size=self.dp, fsdp_size=self.fsdp, tp_size=self.tp, topology=self.topology
+            device_type=device_type,
+            dp_size=self.dp,
+            fsdp_size=self.fsdp,
+            tp_size=self.tp,
+            topology=self.topology,
+            pp_size=self.pp,
+            cp_size=self.cp,
         )
 
     def describe(self) -> str:
         """``"fsdp=2 x tp=2"``-style text, outermost axis first, sizes of 1 left out (``"1 rank"`` alone)."""
-        sizes = {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
-        order = [*self.topology, *(["tp"] if "tp" not in self.topology else [])]
+        sizes = {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "cp": self.cp}
+        order = ["pp", *self.topology, *(["tp"] if "tp" not in self.topology else [])]
+        order.insert(order.index("tp"), "cp")
         parts = [f"{axis}={sizes[axis]}" for axis in order if sizes[axis] > 1]
         return " x ".join(parts) or "1 rank"
 
@@ -92,6 +128,20 @@ class ActivationCheckpointing:
     """Every k-th matching layer."""
     source: str = "memory.gc_cls"
     """The config field the class names came from (named in errors)."""
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """How the stages of a pipeline run (``dist.pp``); the split itself is resolved against the model (plan.py)."""
+
+    schedule: str
+    """"1F1B", "GPipe" or "Interleaved1F1B"."""
+    num_stages: int
+    """All stages of the pipeline: ``dist.pp.size * dist.pp.stages_per_rank``."""
+    microbatches: int
+    """Microbatches per batch."""
+    split: tuple[str, ...] = ()
+    """The first block of each stage after the first; empty: the blocks divided evenly."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +174,10 @@ class Layout:
     init_from: str | None = None
     tp_plan: str | Mapping[str, str] = "auto"
     sequence_parallel: bool = False
+    pipeline: PipelineSchedule | None = None
+    """The pipeline schedule when ``dims.pp > 1``."""
+    cp_method: str = "ulysses"
+    """How attention sees the whole sequence under context parallelism: "ulysses" or "ring" (dist.cp.method)."""
     ignored: tuple[str, ...] = field(default=())
     """Settings that have no effect in this layout, each with the reason (``accelerate()`` warns once each)."""
 
@@ -144,9 +198,16 @@ class Layout:
         """
         config.validate(world_size)
         d, m, c = config.dist, config.memory, config.compute
-        tp = d.tp.size
-        dp = d.dp.size if d.dp.size is not None else world_size // (d.fsdp.size * tp)
-        dims = ParallelDims(world_size=world_size, dp=dp, fsdp=d.fsdp.size, tp=tp, topology=tuple(d.topology))
+        tp, pp, cp = d.tp.size, d.pp.size, d.cp.size
+        dp = d.dp.size if d.dp.size is not None else world_size // (d.fsdp.size * tp * pp * cp)
+        dims = ParallelDims(
+            world_size=world_size, dp=dp, fsdp=d.fsdp.size, tp=tp, topology=tuple(d.topology), pp=pp, cp=cp
+        )
+        if cp > 1 and d.cp.method == "ring" and device_type != "cuda":
+            raise ValueError(
+                f"dist.cp.method='ring' runs torch's ring attention, which needs CUDA, but this run computes on "
+                f"{device_type}; use dist.cp.method='ulysses' (all-to-all, works on any device)"
+            )
         ignored = []
         offload = m.offload_params
         if offload and device_type != "cuda":
@@ -162,11 +223,17 @@ class Layout:
             checkpointing = ActivationCheckpointing(names, num_layers=m.gc_cnt, interval=m.gc_interval, source=source)
         low = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else None
         plan = d.tp.plan if isinstance(d.tp.plan, str) else MappingProxyType(dict(d.tp.plan))
+        pipeline = None
+        if pp > 1:
+            num_stages = pp * d.pp.stages_per_rank
+            pipeline = PipelineSchedule(d.pp.schedule, num_stages, d.pp.microbatches or num_stages, tuple(d.pp.split))
         return cls(
             dims=dims,
             device_type=device_type,
             wrap_layer_cls=frozenset(d.fsdp.wrap_layer_cls),
-            reshard_after_forward=d.fsdp.reshard_after_forward,
+            # a stage runs several microbatches forward before their backwards: regathering for each would multiply
+            # the all-gathers, so its parameters stay gathered (TorchTitan's choice too)
+            reshard_after_forward=d.fsdp.reshard_after_forward if pp == 1 else False,
             forward_prefetch=d.fsdp.forward_prefetch,
             backward_prefetch=d.fsdp.backward_prefetch,
             param_dtype=low,
@@ -179,5 +246,7 @@ class Layout:
             init_from=d.fsdp.init_from,
             tp_plan=plan,
             sequence_parallel=d.tp.sequence_parallel,
+            pipeline=pipeline,
+            cp_method=d.cp.method,
             ignored=tuple(ignored),
         )

@@ -15,6 +15,13 @@ and so every ``nn.init`` function) into a fill of the full tensor from the same 
 rank keeps its slice: the result does not depend on the world size or the device, for the cost of
 one full parameter at a time.
 
+[Note: meta init in place] An init may also write through an index or a view of a parameter, which DTensor
+cannot give for a sharded dimension: HF's ``init.zeros_(embedding.weight[padding_idx])`` zeroes a copy of the
+padding row, and the shard keeps its random draw. So while a module's own init runs, each of its sharded
+parameters is swapped for a plain tensor of the full shape that holds this rank's values at its slice; the
+init writes into it as into an unsharded parameter (random fills draw the full tensor, as one process does) and
+the rank copies its slice back. Only one module's own parameters are whole at a time.
+
 [Note: meta init seeds] The draws must also not depend on how each rank was seeded: scripts often seed
 per rank (``torch.manual_seed(100 + rank)``) for dropout, and a model built normally is then made equal by
 ``sync_module_states``, but a meta model has nothing to sync. So the own init runs from rank 0's random state
@@ -76,7 +83,8 @@ def _hf_init(model: nn.Module) -> Callable[[], None] | None:
         for child in module.children():  # children first; a nested HF model brings its own _init_weights
             own = getattr(child, "_init_weights", None)
             visit(child, own if callable(own) and hasattr(child, "init_weights") else init)
-        init(module)
+        with _own_params_whole(module):
+            init(module)
         for param in module.parameters(recurse=False):
             if id(param) in tied:
                 # The first owner of a tied weight initializes it; later ones (lm_head) keep it, as HF does.
@@ -161,7 +169,8 @@ def materialize(
         else:
             for module in model.modules():
                 if any(True for _ in module.parameters(recurse=False)) and hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+                    with _own_params_whole(module):
+                        module.reset_parameters()
 
 
 @contextlib.contextmanager
@@ -179,6 +188,34 @@ def _random_state_of_rank0(device: torch.device) -> Iterator[None]:
         torch.set_rng_state(own[0])
         if accelerator is not None:
             accelerator.set_rng_state(own[1], device)
+
+
+@contextlib.contextmanager
+def _own_params_whole(module: nn.Module) -> Iterator[None]:
+    """Give ``module`` plain full-shape stand-ins for its own DTensor parameters: see [Note: meta init in place]."""
+    swapped: dict[str, tuple[DTensor, torch.Tensor, tuple[slice, ...]]] = {}
+    for name, param in module._parameters.items():
+        if not isinstance(param, DTensor):
+            continue
+        local = param.to_local()
+        where = local_slices(param)
+        whole = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+        whole[where] = local
+        stand_in = nn.Parameter(whole, requires_grad=param.requires_grad)
+        if hasattr(param, "_is_hf_initialized"):  # HF's init skips a tensor marked initialized (a tied weight)
+            stand_in._is_hf_initialized = param._is_hf_initialized
+        module._parameters[name] = stand_in
+        swapped[name] = (param, stand_in, where)
+    try:
+        yield
+    finally:
+        for name, (param, stand_in, where) in swapped.items():
+            written = module._parameters[name]  # the init may have assigned a new parameter
+            module._parameters[name] = param
+            if getattr(written, "_is_hf_initialized", False) or getattr(stand_in, "_is_hf_initialized", False):
+                param._is_hf_initialized = True
+            if written is not None and tuple(written.shape) == tuple(param.shape):
+                param.to_local().copy_(written.detach()[where])
 
 
 _RANDOM_FILLS = frozenset(

@@ -1,7 +1,8 @@
 """Everything about a model that can be checked before any collective: ``plan_model``.
 
 ``plan_model`` resolves the layout's wrap and checkpoint class names to the model's classes, checks meta-device
-models, FSDP units, the TP plan and a passed optimizer, and raises the same ``ValueError`` on every rank.
+models, FSDP units, the TP plan, the pipeline split and a passed optimizer, and raises the same ``ValueError`` on
+every rank.
 """
 
 from dataclasses import dataclass
@@ -10,9 +11,11 @@ import torch
 import torch.nn as nn
 
 from .accelerated import accelerated_state
+from .context import CPPlan, resolve_context_parallel
 from .fsdp import check_units, is_wrapped, resolve_module_classes
 from .layout import Layout
 from .meta_init import check_materializable, has_meta_params
+from .pipeline import StagePlan, plan_pipeline
 from .tp import TPPlan, resolve_tp_plan
 
 __all__ = ["ModelPlan", "plan_model"]
@@ -26,6 +29,8 @@ class ModelPlan:
     gc_classes: frozenset[type[nn.Module]]
     meta: bool
     tp: TPPlan | None = None
+    pp: StagePlan | None = None
+    cp: CPPlan | None = None
 
 
 def plan_model(model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optimizer | None = None) -> ModelPlan:
@@ -34,7 +39,8 @@ def plan_model(model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optim
     Raises:
         ValueError: an already accelerated model, an unknown wrap or checkpoint class (listing the model's
             classes), a meta-device model that cannot be initialized, a TP plan that does not fit the model,
-            an optimizer holding other parameters.
+            a pipeline split that does not fit the model (see ``plan_pipeline``), an optimizer holding other
+            parameters, a model whose attention context parallelism cannot split.
         TypeError: ``optimizer`` is not an optimizer.
     """
     if accelerated_state(model) is not None or is_wrapped(model):
@@ -52,13 +58,20 @@ def plan_model(model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optim
     checkpointing = layout.checkpointing
     if checkpointing is not None:
         gc = resolve_module_classes(model, set(checkpointing.class_names), what=checkpointing.source)
-    if layout.dims.fsdp > 1:
+    if layout.dims.fsdp * layout.dims.cp > 1:  # with CP, fully_shard shards over fsdp x cp
         check_units(model, wrap)
     if layout.compile and not wrap:
         raise ValueError("compute.compile=True compiles each dist.fsdp.wrap_layer_cls block; set wrap_layer_cls too")
     tp = None
     if layout.dims.tp > 1:
         tp = resolve_tp_plan(model, layout.tp_plan, size=layout.dims.tp, sequence_parallel=layout.sequence_parallel)
+    pp = None
+    if layout.pipeline is not None:
+        schedule = layout.pipeline
+        pp = plan_pipeline(model, num_stages=schedule.num_stages, split=schedule.split, wrap_classes=frozenset(wrap))
+    cp = None
+    if layout.dims.cp > 1:
+        cp = resolve_context_parallel(model, size=layout.dims.cp, method=layout.cp_method, tp_size=layout.dims.tp)
     names = {param: name for name, param in model.named_parameters()}
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -69,4 +82,4 @@ def plan_model(model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optim
                 f"optimizer holds {len(foreign)} parameter(s) that are not parameters of {type(model).__name__} "
                 f"(first has shape {tuple(foreign[0].shape)}); build the optimizer from model.parameters()"
             )
-    return ModelPlan(frozenset(wrap), frozenset(gc), meta, tp)
+    return ModelPlan(frozenset(wrap), frozenset(gc), meta, tp, pp, cp)

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from .._utils.logging import warn_once
 from .._utils.tied import retie, tied_names
-from .tp_region import add_region_styles, check_packed_layers
+from .tp_region import add_region_styles, check_packed_layers, check_pairs
 from .tp_sequence import COLWISE_SEQ, GATHER, SPLIT, add_sequence_parallel, gather_sequence, sequence_check
 
 __all__ = ["STYLES", "TPPlan", "resolve_tp_plan", "apply_tp"]
@@ -232,6 +232,7 @@ def resolve_tp_plan(
         _check_heads(model, size)
     styles = _check_ties(model, styles, auto=isinstance(plan, str))
     check_packed_layers(model, styles)
+    check_pairs(model, styles)
     styles = add_region_styles(model, styles)
     if sequence_parallel:
         styles = add_sequence_parallel(model, styles)

@@ -15,23 +15,47 @@ the module's input runs before the ``colwise`` layers (a pre-norm) and stays as 
 on the split activations and gets ``replicated_with_grad_allreduce``. What the structure cannot settle is
 refused, to be named in the plan: another module with parameters there (DeepSeek's MLA down-projections
 feed the region without a ``colwise`` layer), a parameter of the holding module itself, a norm as wide as
-both the input and a head. A block that holds ``colwise`` layers directly (an element of the model's layer
-list, or the model) also holds the residual stream, so its other modules are taken as whole-gradient ones.
+both the input and a head. So is what no style can split: a norm with one weight per head (Cohere's
+``q_norm`` of shape (heads, head_dim)), and a norm over a ``colwise`` layer's whole output (OLMo2's
+``k_norm``: the layer must gather its output first). A block that holds ``colwise`` layers directly (an
+element of the model's layer list, or the model) also holds the residual stream: its norms as wide as its
+input and its other modules are taken as whole-gradient ones, but a norm of another width runs on the split
+features, and a parameter of one number (a gate, PReLU's weight) may be applied to either, so it is refused.
 
 ``check_packed_layers`` refuses ``colwise`` on a packed layer (several projections stacked in one weight,
 such as Phi-3's ``gate_up_proj`` or a fused qkv): a contiguous block of its rows is one projection's rows,
-not this rank's share of each, and the module's own split of the output would pair the wrong halves.
+not this rank's share of each, and the module's own split of the output would pair the wrong halves. A
+layer whose output is wider than the input of the ``rowwise`` layer beside it is taken as packed, unless its
+name is one of ``PER_HEAD_NAMES`` (GPT-NeoX's ``query_key_value`` stacks q, k and v head by head, so a
+contiguous block of rows is whole heads).
+
+``check_pairs`` refuses the pairings that fail inside DTensor or compute the wrong thing: a ``colwise``
+layer needs a ``rowwise`` layer beside it to read its split output (an ``lm_head`` left ``colwise`` would
+give the loss this rank's share of the vocabulary), a ``rowwise`` layer needs a ``colwise`` one to feed
+it, and ``rowwise_split_input`` expects a whole input, not a ``colwise`` layer's share.
 """
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["PACKED_NAMES", "add_region_styles", "check_packed_layers", "is_norm", "sum_replicated_grads"]
+__all__ = [
+    "PACKED_NAMES",
+    "PER_HEAD_NAMES",
+    "add_region_styles",
+    "check_packed_layers",
+    "check_pairs",
+    "is_norm",
+    "sum_replicated_grads",
+]
 
 # Layer names that hold stacked projections ([q | k | v] or [gate | up]) in the models that use them:
-# Phi-3, nanoGPT (an nn.Linear c_attn), MPT and ModernBERT (Wqkv), Baichuan (W_pack), timm's ViT (qkv).
-# GPT-NeoX's and Falcon's query_key_value group q, k and v per head, so a contiguous split is right there.
-PACKED_NAMES = frozenset({"gate_up_proj", "qkv_proj", "Wqkv", "W_pack", "c_attn", "qkv"})
+# Phi-3, nanoGPT (an nn.Linear c_attn), MPT and ModernBERT (Wqkv), Baichuan (W_pack), timm's ViT (qkv),
+# lucidrains' models (to_qkv).
+PACKED_NAMES = frozenset({"gate_up_proj", "qkv_proj", "Wqkv", "W_pack", "c_attn", "qkv", "to_qkv"})
+# Layers wider than the rowwise layer's input whose rows are grouped per head, so that a contiguous block of
+# them is whole heads: GPT-NeoX's, Bloom's and Falcon's query_key_value; DeepSeek's (MLA) q and kv up-projections
+# (a head's query or key is longer than its value); a q_proj is one projection whatever its width.
+PER_HEAD_NAMES = frozenset({"query_key_value", "q_proj", "q_b_proj", "kv_b_proj"})
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -69,6 +93,15 @@ def _trainable(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
 
 
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` is ``outer`` or inside it (every module is inside the model, named "")."""
+    return not outer or name == outer or name.startswith(f"{outer}.")
+
+
+def _scalar_params(module: nn.Module) -> list[str]:
+    return [name for name, p in module.named_parameters(recurse=False) if p.requires_grad and p.numel() == 1]
+
+
 def _name_it(name: str, what: str, holder: str, layers: list[str]) -> ValueError:
     return ValueError(
         f"dist.tp.plan: {name} ({what}) sits inside {holder}, which holds the 'colwise' layer(s) "
@@ -89,52 +122,81 @@ def add_region_styles(model: nn.Module, styles: dict[str, str]) -> dict[str, str
 
     Raises:
         ValueError: a module or parameter inside a module holding ``colwise`` layers whose place (before
-            or inside the split region) the structure does not settle; the message says how to name it.
+            or inside the split region) the structure does not settle, or that no style can split there;
+            the message says how to name it or what to split instead.
     """
     head_dim = _head_dim(model)
     found: dict[str, str] = {}
     holders = _holders(styles)
     for holder, layers in holders.items():
-        if _is_block(model, holder):
-            continue
         module = model.get_submodule(holder)
-        if direct := _trainable(module):
+        block = _is_block(model, holder)
+        where = f"{holder or type(model).__name__}"
+        if direct := (_scalar_params(module) if block else _trainable(module)):
+            what = " (one number)" if block else ""
             raise ValueError(
-                f"dist.tp.plan: {holder}.{direct[0]} is a parameter of {holder} itself, which holds the 'colwise' "
-                f"layer(s) {', '.join(layers)}; torchacc cannot tell whether it is used on this rank's heads or "
-                f"features only (its gradient then covers only those) or on the whole input. Leave {holder}'s "
-                "layers out of dist.tp.plan, or keep the parameter in a submodule and name that module in the plan "
+                f"dist.tp.plan: {_join(holder, direct[0])}{what} is a parameter of {where} itself, which holds the "
+                f"'colwise' layer(s) {', '.join(layers)}; torchacc cannot tell whether it is applied to this rank's "
+                "features only (its gradient then covers only those) or to the whole input. Leave the layers of "
+                f"{where} out of dist.tp.plan, or keep the parameter in a submodule and name that module in the plan "
                 "('replicated_with_grad_allreduce' or 'replicate')"
             )
         input_widths = {model.get_submodule(n).in_features for n in layers}
-        planned = (*styles, *(h for h in holders if h.startswith(f"{holder}.")))  # a nested holder reads its own
+        output_widths: dict[int, str] = {}
+        for name in layers:
+            output_widths.setdefault(model.get_submodule(name).out_features, name)
+        planned = (*styles, *(h for h in holders if h != holder and _inside(h, holder)))  # nested holders: their own
         for sub_name, sub in module.named_modules(prefix=holder):
-            if (
-                sub_name == holder
-                or not _trainable(sub)
-                or any(sub_name == n or sub_name.startswith(f"{n}.") for n in planned)
-            ):
+            if sub_name == holder or not _trainable(sub) or any(_inside(sub_name, n) for n in planned):
                 continue
             if not is_norm(sub):
-                raise _name_it(sub_name, f"a {type(sub).__name__}", holder, layers)
-            width = next(sub.parameters()).shape[-1]
-            if width not in input_widths:
-                found[sub_name] = "replicated_with_grad_allreduce"
-            elif width == head_dim:
-                raise _name_it(
-                    sub_name,
-                    f"a {type(sub).__name__} over {width} features, as many as the input and a head",
-                    holder,
-                    layers,
+                if not block:
+                    raise _name_it(sub_name, f"a {type(sub).__name__}", holder, layers)
+                if _scalar_params(sub):  # the block's other modules: whole, unless it may scale the split features
+                    raise _name_it(sub_name, f"a {type(sub).__name__} of one number", holder, layers)
+                continue
+            weight = next(sub.parameters())
+            if weight.dim() > 1:
+                raise ValueError(
+                    f"dist.tp.plan: {sub_name} (a {type(sub).__name__}) holds one weight per attention head (weight of "
+                    f"shape {tuple(weight.shape)}) inside {holder}, whose 'colwise' layer(s) {', '.join(layers)} give "
+                    "each rank only its own heads; no style splits such a norm with them. Leave the layers of "
+                    f"{holder} out of dist.tp.plan (it then runs whole on every rank; split the MLP only), or use FSDP "
+                    "for this model"
                 )
+            width = weight.shape[-1]
+            if width in input_widths:
+                if width == head_dim and not block:
+                    raise _name_it(
+                        sub_name,
+                        f"a {type(sub).__name__} over {width} features, as many as the input and a head",
+                        holder,
+                        layers,
+                    )
+                continue  # a pre-norm (or, in a block, the residual stream's)
+            if width in output_widths and width != head_dim:
+                layer = output_widths[width]
+                raise ValueError(
+                    f"dist.tp.plan: {sub_name} (a {type(sub).__name__} over {width} features) normalizes the whole "
+                    f"output of {layer}, which 'colwise' splits: each rank would hold only its share of those "
+                    f"features. Use 'colwise_gather_output' for the layers of {holder} that it follows and "
+                    "'rowwise_split_input' for the layer that reads their output, as OLMo2's own plan does "
+                    "(dist.tp.plan='auto'), or leave them out of the plan"
+                )
+            found[sub_name] = "replicated_with_grad_allreduce"
     return {**styles, **found}
+
+
+def _join(holder: str, name: str) -> str:
+    return f"{holder}.{name}" if holder else name
 
 
 def check_packed_layers(model: nn.Module, styles: dict[str, str]) -> None:
     """Refuse ``colwise`` on a layer that stacks several projections in its weight.
 
-    A layer is taken as packed when its name is one of ``PACKED_NAMES``, or when its ``out_features`` is
-    twice the ``in_features`` of a ``rowwise`` layer beside it (a gate and an up projection in one weight).
+    A layer is taken as packed when its name is one of ``PACKED_NAMES``, or when its ``out_features`` exceeds
+    the ``in_features`` of a ``rowwise`` layer beside it (two or three projections in one weight) and its name
+    is not one of ``PER_HEAD_NAMES``.
 
     Raises:
         ValueError: naming the layer and the styles to use instead.
@@ -148,8 +210,15 @@ def check_packed_layers(model: nn.Module, styles: dict[str, str]) -> None:
         reason = f"its name {short!r} is that of a packed layer" if short in PACKED_NAMES else None
         for partner in partners:
             width = getattr(model.get_submodule(partner), "in_features", None)
-            if reason is None and width is not None and layer.out_features == 2 * width:
+            if reason is not None or width is None or short in PER_HEAD_NAMES:
+                continue
+            if layer.out_features == 2 * width:
                 reason = f"out_features={layer.out_features} is twice the in_features of {partner}"
+            elif layer.out_features > width:
+                reason = (
+                    f"out_features={layer.out_features} is more than the in_features={width} of {partner}, which "
+                    "reads its output"
+                )
         if reason is not None:
             after = f"the layer that reads its output ({', '.join(partners)})" if partners else "the layer after it"
             raise ValueError(
@@ -158,6 +227,41 @@ def check_packed_layers(model: nn.Module, styles: dict[str, str]) -> None:
                 "not this rank's share of each) and the model would compute the wrong thing. Use "
                 f"'colwise_gather_output' for {name} and 'rowwise_split_input' for {after}, as Phi-3's own plan "
                 "does (dist.tp.plan='auto'), or split the layer into one nn.Linear per projection"
+            )
+
+
+def check_pairs(model: nn.Module, styles: dict[str, str]) -> None:
+    """Refuse a split layer without the partner beside it (same parent module) that its style needs.
+
+    Raises:
+        ValueError: a ``colwise`` layer that no ``rowwise`` layer reads, a ``rowwise`` layer (not an embedding)
+            that no ``colwise`` layer feeds, a ``rowwise_split_input`` layer fed by ``colwise`` ones; the
+            message names the style to use.
+    """
+    siblings: dict[str, dict[str, list[str]]] = {}
+    for name, style in styles.items():
+        siblings.setdefault(_parent(name), {}).setdefault(style, []).append(name)
+    for name, style in styles.items():
+        beside = siblings[_parent(name)]
+        if style == "colwise" and not beside.get("rowwise") and not beside.get("rowwise_split_input"):
+            raise ValueError(
+                f"dist.tp.plan: {name} is 'colwise', but no 'rowwise' layer beside it reads its output: each rank "
+                f"would keep only its share of {name}'s output features. Use 'colwise_gather_output' for {name} "
+                "(every rank then gets the whole output), or split the layer that reads its output 'rowwise'"
+            )
+        if style == "rowwise" and not isinstance(model.get_submodule(name), nn.Embedding) and not beside.get("colwise"):
+            gathered = beside.get("colwise_gather_output")
+            feeding = f" ({', '.join(gathered)} gather their whole output)" if gathered else ""
+            raise ValueError(
+                f"dist.tp.plan: {name} is 'rowwise', which takes this rank's share of its input features from a "
+                f"'colwise' layer beside it, but there is none{feeding}: use 'rowwise_split_input' for a layer whose "
+                "input is whole (it splits the input itself), or split the layers that feed it 'colwise'"
+            )
+        if style == "rowwise_split_input" and beside.get("colwise") and not beside.get("colwise_gather_output"):
+            raise ValueError(
+                f"dist.tp.plan: {name} is 'rowwise_split_input', which splits a whole input itself, but the "
+                f"'colwise' layer(s) {', '.join(beside['colwise'])} beside it give it only this rank's share: use "
+                f"'rowwise' for {name}, or 'colwise_gather_output' for the layers that feed it"
             )
 
 

@@ -13,6 +13,7 @@ module holds the constructor and the setup (environment, model, data); the rest 
 
 import contextlib
 import copy
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +27,9 @@ from ..config import Config
 from ..data import ShardedDataLoader, shard_dataloader
 from ..distributed import env
 from ..distributed.mesh import build_mesh
+from ..metrics import install_metrics, watch_loader
 from ..parallel.agree import agree_on_config, report_config_error
+from ..parallel.context import sequence_split
 from ..parallel.engine import shard_model
 from ..parallel.layout import Layout
 from ..parallel.meta_init import init_empty_weights
@@ -34,7 +37,7 @@ from ..parallel.plan import plan_model
 from ..parallel.precision import GradScaler
 from .checkpoint import StrategyCheckpointMixin
 from .offload import StrategyOffloadMixin
-from .options import apply_options, check_options
+from .options import apply_options, check_options, check_pipeline_options
 from .runtime import StrategyRuntimeMixin
 from .steps import StrategyStepsMixin
 
@@ -151,6 +154,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
         self.global_step = 0
         self.scaler: GradScaler | None = None  # set up for fp16 compute in setup_environment
         self._micro_step = 0
+        self._backward_done = False  # set by a pipeline's training_step, which runs the backward too
         self._pending_optimizer_state: Any = None
         self._env: dict[str, Any] | None = None
 
@@ -182,6 +186,13 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             per_step = self.micro_train_batch_size * data_ranks
             if self.train_batch_size is None:
                 self.train_batch_size = per_step
+            if layout.pipeline is not None:
+                check_pipeline_options(
+                    loss_fn=self.loss_fn,
+                    parallelize_fn=self.parallelize_fn,
+                    micro_train_batch_size=self.micro_train_batch_size,
+                    microbatches=layout.pipeline.microbatches,
+                )
             if self.train_batch_size % per_step:
                 raise ValueError(
                     f"train_batch_size={self.train_batch_size} is not a multiple of micro_train_batch_size="
@@ -252,6 +263,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             parallelize_fn=self.parallelize_fn,
             mp_policy=policy,
         )
+        install_metrics(model, self.dataloader, **dataclasses.asdict(self.config.metrics))
         self.model = model
         return model
 
@@ -273,5 +285,7 @@ class FSDP2Strategy(StrategyRuntimeMixin, StrategyStepsMixin, StrategyCheckpoint
             seed=cfg.seed,
             prefetch=cfg.prefetch,
             shard=cfg.shard,
+            transform=sequence_split(state["layout"], env.rank()),  # CP: this rank's chunk of every sequence
         )
+        watch_loader(self.dataloader, self.model)
         return self.dataloader

@@ -21,6 +21,7 @@ from ..checkpoint.dcp_load import load_checkpoint, load_dcp, read_checkpoint
 from ..checkpoint.directory import require_latest
 from ..checkpoint.files import load, save
 from ..checkpoint.hf import export_hf
+from ..checkpoint.state import require_whole_model
 from ..checkpoint.writing import save_dcp
 from ..distributed import collectives, env
 
@@ -48,6 +49,8 @@ class StrategyCheckpointMixin:
         """The model's state: full CPU tensors on rank 0 (other ranks get ``{}``) for ``state_dict_type="full"``,
         this rank's DTensor shards for ``"sharded"``. Every rank must call it (full gathers)."""
         full = self.state_dict_type != "sharded"
+        if full:
+            require_whole_model(self._require_model())
         options = StateDictOptions(full_state_dict=full, cpu_offload=full)
         return get_model_state_dict(self._require_model(), options=options)
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..config import Config
 from ..distributed import env
 
-__all__ = ["SHARDING_STRATEGIES", "apply_options", "check_options"]
+__all__ = ["SHARDING_STRATEGIES", "apply_options", "check_options", "check_pipeline_options"]
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -108,12 +108,16 @@ def apply_options(
         if not isinstance(tensor_parallel_plan, str):  # "auto" keeps config.dist.tp.plan (itself "auto" by default)
             dist_cfg.tp.plan = dict(tensor_parallel_plan)
         dist_cfg.tp.sequence_parallel = dist_cfg.tp.sequence_parallel or sequence_parallel
-    tp = dist_cfg.tp.size
-    data_ranks = world_size // tp if world_size % tp == 0 else world_size
+    tp, pp = dist_cfg.tp.size, dist_cfg.pp.size
+    split = tp * pp * dist_cfg.cp.size  # the ranks of a TP or CP group, or of a pipeline, share their batches
+    data_ranks = world_size // split if world_size % split == 0 else world_size
     if data_parallel_size not in ("auto", data_ranks):
         raise ValueError(
             f"data_parallel_size={data_parallel_size} must equal the world size {world_size}"
-            + (f" / tensor_parallel_size={tp} = {data_ranks}" if tp > 1 else " (no tensor parallelism)")
+            + (f" / tensor_parallel_size={tp}" if tp > 1 else "")
+            + (f" / config.dist.pp.size={pp}" if pp > 1 else "")
+            + (f" / config.dist.cp.size={dist_cfg.cp.size}" if dist_cfg.cp.size > 1 else "")
+            + (f" = {data_ranks}" if split > 1 else " (no tensor, pipeline or context parallelism)")
             + "; use 'auto'"
         )
     fsdp = dist_cfg.fsdp
@@ -124,12 +128,15 @@ def apply_options(
         fsdp.size, dist_cfg.dp.size = 1, data_ranks
     elif sharding_strategy == "HYBRID_SHARD":
         per_node = env.local_world_size()
-        if per_node % tp:
+        inner = tp * dist_cfg.cp.size  # inside a node; the pipeline stages may cross nodes
+        if per_node % inner:
+            cp_part = f" x config.dist.cp.size={dist_cfg.cp.size}" if dist_cfg.cp.size > 1 else ""
             raise ValueError(
-                f"tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: HYBRID_SHARD shards inside "
-                "a node and a TP group must stay inside one; choose a divisor of the ranks per node"
+                f"tensor_parallel_size={tp}{cp_part} does not divide the {per_node} ranks of a node: HYBRID_SHARD "
+                f"shards inside a node and a TP{' or CP' if cp_part else ''} group must stay inside one; choose a "
+                "divisor of the ranks per node"
             )
-        fsdp.size, dist_cfg.dp.size = per_node // tp, world_size // per_node
+        fsdp.size, dist_cfg.dp.size = per_node // inner, max(1, world_size // (per_node * pp))
     if isinstance(mp_policy, str):
         config.compute.bf16 = mp_policy == "bf16"
         config.compute.fp16 = mp_policy == "fp16"
@@ -137,3 +144,21 @@ def apply_options(
     if activation_checkpointing_policy:
         config.memory.gc = True
         config.memory.gc_cls = {c if isinstance(c, str) else c.__name__ for c in activation_checkpointing_policy}
+
+
+def check_pipeline_options(
+    *, loss_fn: Any, parallelize_fn: Any, micro_train_batch_size: int, microbatches: int
+) -> None:
+    """Strategy options a pipelined model cannot honour (config.dist.pp.size > 1), refused before any collective."""
+    for name, value in (("loss_fn", loss_fn), ("parallelize_fn", parallelize_fn)):
+        if value is not None:
+            raise ValueError(
+                f"{name}= does not combine with config.dist.pp.size > 1: the pipeline splits a Hugging Face decoder "
+                "into stages itself and computes its causal-LM loss on the last stage; drop it, or set dist.pp.size=1"
+            )
+    if micro_train_batch_size % microbatches:
+        raise ValueError(
+            f"micro_train_batch_size={micro_train_batch_size} does not divide into "
+            f"config.dist.pp.microbatches={microbatches}: each micro-batch runs through the pipeline in that many "
+            "pieces; choose a multiple"
+        )

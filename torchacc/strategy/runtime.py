@@ -32,20 +32,21 @@ class StrategyRuntimeMixin:
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
-        """The whole mesh: ``("fsdp",)`` or ``("dp", "fsdp")``, ``("dp", "fsdp", "tp")`` with tensor parallelism;
-        None for NO_SHARD without TP and single-process runs, unless a ``parallelize_fn`` was given (it then gets
-        a mesh whose "fsdp" axis has one rank)."""
+        """The whole mesh: ``("fsdp",)`` or ``("dp", "fsdp")``, ``("dp", "fsdp", "tp")`` with tensor parallelism,
+        with ``"pp"`` first under pipeline parallelism and a ``"cp"`` axis before ``"tp"`` with context parallelism;
+        None for NO_SHARD without TP and single-process runs, unless a ``parallelize_fn`` was given (it then gets a
+        mesh whose "fsdp" axis has one rank)."""
         return self._ready()["mesh"]
 
     @property
     def data_parallel_world_size(self) -> int:
-        """Number of data-parallel ranks, ``world_size / tensor_parallel_size`` (dp x fsdp): the ranks that take
-        different batches."""
+        """Number of data-parallel ranks, ``world_size / (tensor_parallel_size * config.dist.pp.size *
+        config.dist.cp.size)`` (dp x fsdp): the ranks that take different batches."""
         return self._ready()["layout"].dims.num_data_ranks
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's index among the data-parallel ranks; the ranks of one TP group share it."""
+        """This rank's index among the data-parallel ranks; the ranks of one TP or CP group or pipeline share it."""
         return self._ready()["layout"].dims.data_parallel_rank(env.rank())
 
     @property

@@ -2,7 +2,12 @@
 
 A micro-step's gradients are synchronized across ranks only on the last micro-step of an
 accumulation (``accumulation_steps``, set by ``FSDP2Strategy.setup_environment``); the optimizer
-steps, after clipping, only then. With fp16 compute (``mp_policy="fp16"`` or ``compute.fp16``) a
+steps, after clipping, only then. Under pipeline parallelism (``dist.pp.size > 1``) ``training_step`` runs
+the forward and the backward of the micro-batch through the pipeline schedule (``torchacc.train_step``), and
+``backward`` only counts it: the loop is the same (see [Note: one training loop] in
+``torchacc/parallel/pipeline_step.py``); each micro-step then synchronizes its stage's gradients.
+
+With fp16 compute (``mp_policy="fp16"`` or ``compute.fp16``) a
 ``GradScaler`` scales each micro-step's loss, unscales the gradients before clipping, and skips the
 step (and halves the scale) when any rank saw an inf or NaN.
 """
@@ -18,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..checkpoint.optimizer import load_optim_state_dict
 from ..distributed.mesh import fsdp_submesh
 from ..parallel.clip_grad import clip_grad_norm_
+from ..parallel.pipeline_step import is_pipelined, train_step
 from ..parallel.precision import GradScaler
 
 __all__ = ["StrategyStepsMixin"]
@@ -34,6 +40,7 @@ class StrategyStepsMixin:
     global_step: int
     scaler: GradScaler | None
     _micro_step: int
+    _backward_done: bool
     _pending_optimizer_state: Any
 
     def _ready(self) -> dict[str, Any]:  # provided by FSDP2Strategy
@@ -55,8 +62,20 @@ class StrategyStepsMixin:
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Forward one micro-batch under the precision policy; returns the loss."""
-        self._set_gradient_sync(self._require_model(), last=(self._micro_step + 1) % self.accumulation_steps == 0)
+        """Forward one micro-batch under the precision policy; returns the loss.
+
+        Under pipeline parallelism the backward runs here too (the schedule interleaves them); ``backward``
+        then only counts the micro-step.
+        """
+        model = self._require_model()
+        if is_pipelined(model):
+            scale = 1.0 / self.accumulation_steps
+            if self.scaler is not None:  # scale(1) starts the scaler's scale as scale(loss) would
+                scale *= float(self.scaler.scale(torch.ones((), device=self._ready()["device"])))
+            loss = train_step(model, batch, scale=scale)
+            self._backward_done = True
+            return loss
+        self._set_gradient_sync(model, last=(self._micro_step + 1) % self.accumulation_steps == 0)
         return self._loss(batch)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -78,6 +97,9 @@ class StrategyStepsMixin:
         """Backward of one micro-step; gradients are synchronized only on the last one of an accumulation."""
         self._ready()
         self._micro_step += 1
+        if self._backward_done:  # a pipeline's training_step ran it already
+            self._backward_done = False
+            return
         self._set_gradient_sync(model, last=self._micro_step % self.accumulation_steps == 0)
         loss = loss / self.accumulation_steps
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

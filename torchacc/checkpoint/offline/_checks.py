@@ -91,6 +91,11 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
             return f"{key!r} is {_show(meta[key])}, expected an int"
     if "run_id" in meta and not (isinstance(meta["run_id"], str) and meta["run_id"]):
         return f"'run_id' is {_show(meta['run_id'])}, expected a non-empty string"
+    if "pipeline" in meta:
+        pipe = meta["pipeline"]
+        ok = isinstance(pipe, dict) and _is_int(pipe.get("rank")) and _is_int(pipe.get("size"))
+        if not ok or not 0 <= pipe["rank"] < pipe["size"]:
+            return f"'pipeline' is {pipe!r}, expected {{'rank': r, 'size': n}} with 0 <= r < n"
     if not isinstance(meta["tensors"], dict):
         return f"'tensors' is {type(meta['tensors']).__name__}, expected a dict"
     for key, entry in meta["tensors"].items():

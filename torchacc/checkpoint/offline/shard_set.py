@@ -8,6 +8,10 @@ opening a set costs no memory; a full tensor is built only when asked for, or ne
 pieces are contiguous byte ranges of the full tensor (dim-0 shards), ``byte_ranges`` says where they
 lie in the files, so writers can copy them file to file. Pieces are blocks (``offset`` + ``local_shape``
 in the metadata) on any dims, so tensor-parallel (dim-1) and FSDP x TP pieces rebuild the same way.
+
+Files of a pipeline run (metadata with ``"pipeline"``) hold different tensors per stage group: every rank of a
+group holds its group's tensors (checked as strictly as a run without a pipeline), and the set's tensors are the
+groups' tensors in stage order, each rebuilt from the ranks of the group that holds it.
 """
 
 import contextlib
@@ -16,7 +20,6 @@ import math
 import os
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,37 +28,13 @@ from ..._utils.tied import tied_names
 from .._format.file_ranges import FileRange, read_ranges
 from .._format.storage_records import is_tensor_record, locate_storages
 from ..files import verify_file
-from ..state import canonical_name, is_sharded, parse_dtype
+from ..state import is_sharded, parse_dtype
 from ._checks import check_rank, open_shard, order_by_rank
+from ._items import TensorItem, canonical_name, get_path
+from ._stages import merged_metadata, merged_optimizer, stage_groups
 from ._tiling import check_tiling
 
 __all__ = ["ShardSet", "TensorItem", "canonical_name", "get_path"]
-
-
-@dataclass(frozen=True)
-class TensorItem:
-    """One tensor of the checkpoint: where it sits in the state, and how its pieces combine."""
-
-    path: tuple[str, ...]  # keys from the section's root, e.g. ("state", "lm_head.weight", "exp_avg")
-    out_path: tuple[str, ...]  # the same with wrapper prefixes removed: where it goes in every output
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    meta_key: str | None  # the shard_metadata entry it is sharded like; None when every rank has it whole
-
-    @property
-    def name(self) -> str:
-        return ".".join(self.path) if self.path[0] != "state" else f"{self.path[1]}:{'.'.join(self.path[2:])}"
-
-    @property
-    def num_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def get_path(obj: Any, path: tuple[str, ...]) -> Any:
-    """``obj[path[0]][path[1]]...``."""
-    for part in path:
-        obj = obj[part]
-    return obj
 
 
 class ShardSet:
@@ -94,9 +73,11 @@ class ShardSet:
         self.paths = [path for path, _ in files]
         self._data = [data for _, data in files]
         self.run_id: str | None = self._data[0]["shard_metadata"].get("run_id")
+        self._stages = stage_groups(self.paths, self._data)
+        self._holders: dict[tuple[str, ...], list[int]] = {}
         self.items = self._plan()
-        for path, data in files:
-            check_rank(path, data, section, self.items)
+        for rank, (path, data) in enumerate(files):
+            check_rank(path, data, section, [item for item in self.items if rank in self._holders[item.path]])
         tiled = set()  # an optimizer's states share their parameter's entry: one check each
         for item in self.items:
             if item.meta_key is not None and item.meta_key not in tiled:
@@ -107,32 +88,45 @@ class ShardSet:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return self._data[0]["shard_metadata"]["tensors"]
+        """The shard metadata of every tensor (of the first rank of each pipeline stage group)."""
+        return merged_metadata([self._data[ranks[0]] for ranks in self._stages])
 
     def _plan(self) -> list[TensorItem]:
-        """Every tensor of rank 0's section, with how to rebuild it."""
-        root = self._data[0][self.section]
+        """Every tensor of each stage group's first rank, in stage order, with the ranks that hold it."""
+        items: list[TensorItem] = []
+        for ranks in self._stages:
+            for item in self._plan_rank(ranks[0]):
+                if item.path not in self._holders:
+                    self._holders[item.path] = ranks
+                    items.append(item)
+        return items
+
+    def _plan_rank(self, rank: int) -> list[TensorItem]:
+        """Every tensor of ``rank``'s section, with how to rebuild it."""
+        root = self._data[rank][self.section]
+        metadata = self._data[rank]["shard_metadata"]["tensors"]
+        path = self.paths[rank]
         items: list[TensorItem] = []
         if self.section == "model":
             for key in root:
-                entry = self.metadata.get(key)
+                entry = metadata.get(key)
                 if entry is None:
-                    raise ValueError(f"{self.paths[0]}: {key} is in the state dict but not in shard_metadata")
+                    raise ValueError(f"{path}: {key} is in the state dict but not in shard_metadata")
                 sharded = is_sharded(entry["placements"])
                 shape, dtype = tuple(entry["shape"]), parse_dtype(entry["dtype"])
                 items.append(TensorItem((key,), (canonical_name(key),), shape, dtype, key if sharded else None))
             return items
         if not isinstance(root, dict) or "state" not in root or "param_groups" not in root:
             raise ValueError(
-                f"{self.paths[0]}: the optimizer section must come from torchacc.optim_state_dict(model, optimizer) "
+                f"{path}: the optimizer section must come from torchacc.optim_state_dict(model, optimizer) "
                 "(state keyed by parameter name)"
             )
         for name, state in root["state"].items():
             # checkpoint_wrapper strips its prefix from state_dict keys but not from parameter names.
-            meta_key = name if name in self.metadata else canonical_name(name)
-            entry = self.metadata.get(meta_key)
+            meta_key = name if name in metadata else canonical_name(name)
+            entry = metadata.get(meta_key)
             if entry is None:
-                raise ValueError(f"{self.paths[0]}: optimizer state for {name!r}, which is not a model parameter")
+                raise ValueError(f"{path}: optimizer state for {name!r}, which is not a model parameter")
             for state_key, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -144,15 +138,15 @@ class ShardSet:
         return items
 
     def _entries(self, item: TensorItem) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(file, shard_metadata entry) of a sharded tensor, for every rank."""
-        for path, data in zip(self.paths, self._data, strict=True):
-            yield path, data["shard_metadata"]["tensors"][item.meta_key]
+        """(file, shard_metadata entry) of a sharded tensor, for every rank that holds it (its pipeline stage's)."""
+        for rank in self._holders[item.path]:
+            yield self.paths[rank], self._data[rank]["shard_metadata"]["tensors"][item.meta_key]
 
     def _pieces(self, item: TensorItem) -> dict[tuple[int, ...], tuple[int, list[int]]]:
         """Distinct non-empty pieces of a sharded tensor: offset -> (rank holding it, local shape). The pieces
         tile the tensor (``check_tiling``), so no two differ at one offset."""
         pieces: dict[tuple[int, ...], tuple[int, list[int]]] = {}
-        for rank, (_, entry) in enumerate(self._entries(item)):
+        for rank, (_, entry) in zip(self._holders[item.path], self._entries(item), strict=True):
             if math.prod(entry["local_shape"]):
                 pieces.setdefault(tuple(entry["offset"]), (rank, entry["local_shape"]))
         return pieces
@@ -165,7 +159,7 @@ class ShardSet:
             read_ranges(ranges, full.reshape(-1).view(torch.uint8).numpy())
             return full
         if item.meta_key is None:
-            return get_path(self._data[0][self.section], item.path).clone()
+            return get_path(self._data[self._holders[item.path][0]][self.section], item.path).clone()
         full = torch.empty(item.shape, dtype=item.dtype)
         for offset, (rank, shape) in self._pieces(item).items():
             piece = get_path(self._data[rank][self.section], item.path)
@@ -225,7 +219,7 @@ class ShardSet:
     def _sources(self, item: TensorItem) -> list[tuple[int, FileRange]] | None:
         """(byte offset in the full tensor, file range) of every piece, in order; None if not contiguous."""
         if item.meta_key is None:
-            pieces = [(0, 0)]
+            pieces = [(0, self._holders[item.path][0])]
         else:
             row_bytes = math.prod(item.shape[1:]) * item.dtype.itemsize
             pieces = []
@@ -264,21 +258,16 @@ class ShardSet:
         return self._records
 
     def skeleton(self) -> Any:
-        """Rank 0's section under canonical names: plain values kept, tensors left as ``None`` to be filled."""
-        root = self._data[0][self.section]
+        """The section under canonical names: plain values kept, tensors left as ``None`` to be filled; a pipeline
+        run's stage groups merged (their states side by side, the parameters of each param group in stage order)."""
         if self.section == "model":
             return {item.out_path[0]: None for item in self.items}
-        state = {
-            canonical_name(name): {k: (None if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
-            for name, values in root["state"].items()
-        }
-        groups = [{**g, "params": [canonical_name(n) for n in g["params"]]} for g in root["param_groups"]]
-        return {"state": state, "param_groups": groups}
+        return merged_optimizer([self._data[ranks[0]][self.section] for ranks in self._stages], canonical_name)
 
     def aliases(self) -> dict[TensorItem, TensorItem]:
-        """Model tensors that share storage with an earlier one in rank 0's file (tied weights): item -> first."""
+        """Model tensors that share storage with an earlier one in a file (tied weights): item -> first."""
         if self.section != "model":
             return {}
         by_key = {item.path[0]: item for item in self.items}
-        tied = tied_names((key, self._data[0]["model"][key]) for key in by_key)
+        tied = tied_names((key, self._data[self._holders[item.path][0]]["model"][key]) for key, item in by_key.items())
         return {by_key[alias]: by_key[owner] for alias, owner in tied.items()}
