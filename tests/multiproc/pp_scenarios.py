@@ -94,10 +94,11 @@ def train(config: torchacc.Config, kind: str = "llama", *, save: str | None = No
     return result
 
 
-def resume(config: torchacc.Config, out: str, *, step: bool = True) -> dict:
-    """A fresh model (other weights) loads the step-2 checkpoint and (with ``step``) runs step 3 on the next batch."""
+def resume(config: torchacc.Config, out: str, *, step: bool = True, batch_size: int = 4) -> dict:
+    """A fresh model (other weights) loads the step-2 checkpoint and (with ``step``) runs step 3 on the next batch
+    (``batch_size`` per data rank: 2 at FSDP 4 keeps the global batch of PP 2 x FSDP 2)."""
     model = model_of("llama", seed=99)
-    loader = DataLoader(token_dataset(32), batch_size=4)
+    loader = DataLoader(token_dataset(32), batch_size=batch_size)
     model, loader = torchacc.accelerate(model, loader, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     torchacc.load_checkpoint(f"{out}/dcp", model=model, optimizer=optimizer, dataloader=loader)
@@ -180,5 +181,5 @@ def four_rank_suite(out: str) -> dict:
         "pp2_tp2_llama": train(pp_config(tp=2)),
         "pp2_dp2_llama_gpipe": train(pp_config(schedule="GPipe")),  # replicas of each stage (dist.dp.size=2)
         "resume_pp2_fsdp2": resume(pp_config(fsdp=2), out),
-        "resume_fsdp4": resume(pp_config(pp=1, fsdp=4), out, step=False),
+        "resume_fsdp4": resume(pp_config(pp=1, fsdp=4), out, batch_size=2),
     }
