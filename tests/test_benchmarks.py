@@ -37,6 +37,15 @@ def test_setup_time_quick(tmp_path):
     assert (tmp_path / "setup_time.json").is_file()
 
 
+def test_plan_accuracy_quick():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "plan_accuracy.py"), "--quick"], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| llama tp=2 | 2 |" in proc.stdout and "| yes |" in proc.stdout, proc.stdout
+    assert "### The planner's per-block scaling against a full fake step (CUDA plan)" in proc.stdout
+
+
 def test_checkpoint_quick(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--quick", "--workdir", str(tmp_path)]

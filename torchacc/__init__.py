@@ -6,8 +6,11 @@ The public surface, by job:
 * accelerate: :func:`accelerate` shards a model and splits a dataloader in one call; :func:`train_step` is the
   forward and backward of one batch for every layout, pipelines included;
 * precision: :class:`GradScaler` for fp16 on sharded gradients;
-* inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model;
-  :func:`accelerated_state` says what ``accelerate()`` did to a model (its layout, mesh, device);
+* inspect: :func:`memory_report` (a :class:`MemoryReport`) counts what this rank holds against the full model,
+  and its measured peak (:func:`track_memory` on the CPU); :func:`accelerated_state` says what ``accelerate()``
+  did to a model (its layout, mesh, device);
+* plan: :func:`estimate_memory` (a :class:`MemoryEstimate`) predicts a rank's memory for any world size, on
+  one CPU; ``torchacc plan`` picks the layout;
 * watch: ``config.metrics`` records loss, tokens/s, MFU, memory and grad norm; :func:`log_metrics` adds your
   values, :func:`last_metrics` reads the last record (:mod:`torchacc.metrics`);
 * checkpoint: :func:`save` / :func:`load` (TorchAcc's per-rank files), :func:`optim_state_dict` /
@@ -45,9 +48,11 @@ from .parallel.accelerate import accelerate
 from .parallel.accelerated import AcceleratedState, accelerated_state
 from .parallel.clip_grad import clip_grad_norm_
 from .parallel.memory_report import MemoryReport, memory_report
+from .parallel.memory_tracking import track_memory
 from .parallel.meta_init import init_empty_weights
 from .parallel.pipeline_step import train_step
 from .parallel.precision import GradScaler
+from .planning import MemoryEstimate, estimate_memory
 from .strategy import FSDP2Strategy
 
 __version__ = VERSION
@@ -71,6 +76,9 @@ __all__ = [
     "init_empty_weights",
     "memory_report",
     "MemoryReport",
+    "track_memory",
+    "estimate_memory",
+    "MemoryEstimate",
     "GradScaler",
     "clip_grad_norm_",
     "log_metrics",

@@ -1,4 +1,4 @@
-"""The ``torchacc`` command: offline tools (consolidate, reshard, export) and the plot of a run's metrics.
+"""The ``torchacc`` command: offline tools (consolidate, reshard, export), the plot of a run's metrics, the planner.
 
 Examples::
 
@@ -9,6 +9,7 @@ Examples::
     torchacc consolidate --ckpt-dir ckpt --reshard 4 --out ckpt-4
     torchacc consolidate --ckpt-dir run --format safetensors          # a save_checkpoint root (its latest)
     torchacc plot runs                                                    # runs/metrics.jsonl -> runs/metrics.png
+    torchacc plan --model gpt2-dir --gpus 64 --seq-len 4096 --micro-batch 1 --bf16   # layouts that fit, fastest first
     torchacc --version
 
 Outputs are streamed (memory for about one tensor). Errors are one line on stderr and exit code 1; a bare
@@ -26,6 +27,7 @@ from ._utils.version import VERSION
 from .checkpoint.directory import require_latest
 from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, consolidate_dcp
 from .checkpoint.offline.reshard import reshard_checkpoint
+from .planning.command import PLAN_HELP, add_plan_arguments, run_plan
 
 __all__ = ["main", "COMMANDS"]
 
@@ -160,6 +162,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 COMMANDS = {
     "consolidate": ("merge per-rank shard files offline (no GPU, no process group)", _add_consolidate, _consolidate),
     "plot": ("draw a run's metrics.jsonl as metrics.png (loss, tokens/s, MFU, memory)", _add_plot, _plot),
+    "plan": (PLAN_HELP, add_plan_arguments, run_plan),
 }
 
 

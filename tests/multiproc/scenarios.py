@@ -7,6 +7,7 @@ the ranks' results with a single-process reference computed in the pytest proces
 import itertools
 
 import metrics_scenarios
+import plan_scenarios
 import report_scenarios
 import torch
 import torch.distributed as dist
@@ -303,6 +304,7 @@ def fsdp_suite() -> dict:
         "sync": sync_states(),
         "memory_report": report_scenarios.fsdp_reports(),
         "plain_output": plain_output_object(),
+        "plan_oracle": plan_scenarios.oracle_two(),
     }
 
 
@@ -317,6 +319,7 @@ def hsdp_suite() -> dict:
         "meta_fsdp2_tp2_rank_seeds": meta_init_state(fsdp=2, tp=2, rank_seeds=True),
         "memory_report": report_scenarios.hsdp_reports(),
         "metrics": metrics_scenarios.hsdp_metrics(),
+        "plan_oracle": plan_scenarios.oracle_four(),
     }
 
 

@@ -2,7 +2,7 @@
 
 Layers, lowest first; a module imports only from its own layer or below (``torchacc/__init__.py`` and
 the public face ``torchacc.dist`` sit on top and may import anything): ``_utils`` < ``distributed`` <
-``config`` < ``data``, ``parallel``, ``checkpoint``, ``metrics`` < ``strategy`` < ``cli``.
+``config`` < ``data``, ``parallel``, ``checkpoint``, ``metrics`` < ``strategy``, ``planning`` < ``cli``.
 """
 
 import ast
@@ -21,6 +21,7 @@ LAYERS = {
     "checkpoint": 3,
     "metrics": 3,
     "strategy": 4,
+    "planning": 4,
     "cli": 5,
     "__main__": 5,
 }
@@ -33,7 +34,7 @@ PUBLIC = {
         "accelerate", "init_empty_weights", "GradScaler", "clip_grad_norm_", "FSDP2Strategy", "save", "load",
         "optim_state_dict", "load_optim_state_dict", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
         "resume_latest", "consolidate", "reshard_checkpoint", "export_hf", "dist", "memory_report", "MemoryReport",
-        "MetricsConfig", "log_metrics", "last_metrics",
+        "MetricsConfig", "log_metrics", "last_metrics", "track_memory", "estimate_memory", "MemoryEstimate",
     ],
     "torchacc.dist": [
         "init_distributed", "rank", "world_size", "local_rank", "local_world_size", "is_master_ordinal", "device",
@@ -54,6 +55,10 @@ PUBLIC = {
     "torchacc.metrics": [
         "install_metrics", "watch_loader", "note_grad_norm", "log_metrics", "last_metrics", "close_metrics",
         "plot_metrics", "Recorder", "KEYS",
+    ],
+    "torchacc.planning": [
+        "estimate_memory", "MemoryEstimate", "plan_layouts", "Plan", "PlannedLayout", "Cluster", "Hardware", "AXES",
+        "Candidate", "Choice",
     ],
 }  # fmt: skip
 

@@ -8,6 +8,14 @@ early onto the sharded parameters.
 [Note: shard before moving] Under FSDP the model is not moved to the device as a whole: a 70B model
 would not fit on one GPU, and CPU offload would be defeated. ``fully_shard`` moves each unit's
 parameters to the mesh's device as it shards it (bottom-up, one unit at a time), as TorchTitan relies on.
+
+[Note: dry run] ``torchacc.estimate_memory`` runs this very function on a meta-device model under a fake process
+group (``materialize=False``): tensor parallelism, activation checkpointing and ``fully_shard`` run as for real,
+then it stops where a real run would start allocating (materialization) and installs only the precision
+mechanism the step needs. Everything after that point touches memory, communicates or leaves state outside the
+model (the optimizer watch, the buffer broadcast, the run id, the record, the log line), so a dry run skips it,
+as well as the warnings about settings: the planner reports its own. A plain-DP layout (DDP) also stops before
+``replicate``, which would broadcast the weights.
 """
 
 import uuid
@@ -84,6 +92,7 @@ def shard_model(
     device: torch.device,
     parallelize_fn: ParallelizeFn | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    materialize: bool = True,
 ) -> nn.Module:
     """Turn ``model`` into an accelerated model, in place. Every rank must call it (it communicates).
 
@@ -95,6 +104,7 @@ def shard_model(
         device: this rank's device.
         parallelize_fn: replaces the class-name wrapping: called as ``fn(model, mesh, mp_policy)``.
         mp_policy: replaces the policy derived from ``config.compute``.
+        materialize: False for the planner's dry run (see [Note: dry run]): the model stays on the meta device.
 
     Returns:
         ``model``, sharded, on ``device``, with ``get_shard_metadata`` and a ``load_state_dict`` that
@@ -129,10 +139,10 @@ def shard_model(
         )
     if layout.compile:
         _compile_blocks(model, plan.wrap_classes)
-    dtype = compute_dtype(layout.param_dtype, device=device)
+    dtype = compute_dtype(layout.param_dtype, device=device) if materialize else layout.param_dtype
     if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
         dtype = mp_policy.param_dtype
-    for reason in layout.ignored:
+    for reason in layout.ignored if materialize else ():
         warn_once(reason)
     offload = CPUOffloadPolicy() if layout.offload_params else None
     autocast_dtype = dtype
@@ -155,12 +165,16 @@ def shard_model(
                 backward_prefetch=layout.backward_prefetch,
                 roots=stages,
             )
+        if not materialize:
+            return _stop_before_materializing(model, device, dtype, autocast_dtype)
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
         if layout.broadcast_buffers and stages is None:  # no forward-changed buffers in the decoders PP splits
             broadcast_changed_buffers(model)
         record_parameter_names(model)  # names the parameters in optimizer-state errors
         watch_optimizers()
     else:
+        if not materialize:
+            return _stop_before_materializing(model, device, dtype, autocast_dtype)
         if not plan.meta:
             model.to(device)
         _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
@@ -197,6 +211,15 @@ def shard_model(
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
     record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id))
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
+    return model
+
+
+def _stop_before_materializing(
+    model: nn.Module, device: torch.device, dtype: torch.dtype | None, autocast_dtype: torch.dtype | None
+) -> nn.Module:
+    """The end of a dry run: the precision a real run installs, nothing else (see [Note: dry run])."""
+    if dtype is not None:
+        install_precision(model, device_type=device.type, autocast_dtype=autocast_dtype)
     return model
 
 

@@ -12,7 +12,8 @@ The FSDP2 seed's ``get_memory_stats()`` in torchacc's form. It counts three kind
 its first dim), a plain tensor whole. "Full" is the same state of the unsharded model: a DTensor's full
 shape, a plain tensor as is. Buffers are left out: FSDP2 does not shard them, so every layout keeps a
 whole copy on each rank. Neither column counts what lives only while a step runs (a unit's all-gathered
-parameters, activations). Nothing here communicates: any rank may call it alone.
+parameters, activations): ``peak_bytes`` does, measured (CUDA's ``max_memory_allocated``, or on the CPU the
+peak of ``torchacc.track_memory()``). Nothing here communicates: any rank may call it alone.
 """
 
 import logging
@@ -25,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..distributed import env
+from .memory_tracking import tracked_peak_bytes
 
 __all__ = ["Footprint", "MemoryReport", "memory_report", "log_summary"]
 
@@ -68,6 +70,9 @@ class MemoryReport:
     mesh_dim_names: tuple[str, ...] | None
     rank: int
     world_size: int
+    peak_bytes: int | None = None
+    """The measured peak of this rank's device: CUDA's ``max_memory_allocated``; on the CPU the peak of live tensor
+    bytes of the latest ``with torchacc.track_memory():`` block (None when no block ran)."""
 
     @property
     def total(self) -> Footprint:
@@ -122,6 +127,8 @@ class MemoryReport:
             label, *cells = row
             padded = [cell.rjust(width) for cell, width in zip(cells, widths[1:], strict=True)]
             lines.append("  ".join([label.ljust(widths[0]), *padded]).rstrip())
+        if self.peak_bytes is not None:
+            lines.append(f"{'peak (measured)'.ljust(widths[0])}  {format_bytes(self.peak_bytes).rjust(widths[1])}")
         return "\n".join(lines)
 
 
@@ -160,8 +167,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     Returns:
         A frozen ``MemoryReport`` for this rank: ``parameters``, ``gradients`` and ``optimizer_state``
         (each a ``Footprint`` of held and full elements and bytes), ``total``, ``reduction``,
-        ``num_units``, ``mesh_shape``, ``mesh_dim_names``, ``rank`` and ``world_size``. ``str()`` of it is
-        a table.
+        ``num_units``, ``mesh_shape``, ``mesh_dim_names``, ``rank``, ``world_size`` and ``peak_bytes`` (the
+        measured peak: CUDA's ``max_memory_allocated``, on the CPU that of the latest
+        ``torchacc.track_memory()`` block, else None). ``str()`` of it is a table.
 
     Example:
         >>> report = torchacc.memory_report(model, optimizer)
@@ -187,6 +195,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         mesh_dim_names=None if mesh is None or mesh.mesh_dim_names is None else tuple(mesh.mesh_dim_names),
         rank=env.rank(),
         world_size=env.world_size(),
+        peak_bytes=tracked_peak_bytes(params[0].device if params else env.device()),
     )
 
 

@@ -33,8 +33,13 @@ class ModelPlan:
     cp: CPPlan | None = None
 
 
-def plan_model(model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optimizer | None = None) -> ModelPlan:
+def plan_model(
+    model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optimizer | None = None, materialize: bool = True
+) -> ModelPlan:
     """Check ``model`` (and ``optimizer``) against ``layout``; no communication.
+
+    ``materialize=False`` is the planner's dry run (see [Note: dry run] in engine.py): its model never gets
+    values, so a meta-device model need not be one that can be initialized.
 
     Raises:
         ValueError: an already accelerated model, an unknown wrap or checkpoint class (listing the model's
@@ -49,9 +54,9 @@ def plan_model(model: nn.Module, layout: Layout, *, optimizer: torch.optim.Optim
             "once per model, on the plain model"
         )
     meta = has_meta_params(model)
-    if meta:
+    if materialize and meta:
         check_materializable(model, layout.init_from)
-    elif any(b.is_meta for b in model.buffers()):
+    elif materialize and any(b.is_meta for b in model.buffers()):
         check_materializable(model, None)
     wrap = resolve_module_classes(model, set(layout.wrap_layer_cls), what="dist.fsdp.wrap_layer_cls")
     gc: set[type[nn.Module]] = set()

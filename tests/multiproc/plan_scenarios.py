@@ -1,0 +1,116 @@
+"""The estimate's oracle, inside the ranks of the ``two_ranks`` and ``four_ranks`` launches (scenarios.py).
+
+Each rank trains every configuration for real (gloo, real tensors): one step to create the optimizer state, then
+one step inside ``torchacc.track_memory()``, after which ``memory_report`` gives the held bytes and the measured
+peak. Then, in the same processes and with their real process group alive, each rank computes
+``torchacc.estimate_memory`` for its share of the configurations; an all-gather of the estimates over the real
+group afterwards shows the estimate left it working. test_plan_oracle.py compares the two.
+"""
+
+import gc
+import time
+
+import torch
+from _models import SEQ, tiny_gpt2, tiny_llama
+
+import torchacc
+from torchacc.parallel import memory_tracking
+
+BATCH = 2
+# name -> (model, {dotted config setting: value}); the world size is the launch's
+TWO = {
+    "gpt2_fsdp": ("gpt2", {"dist.fsdp.size": 2}),
+    "llama_tp": ("llama", {"dist.tp.size": 2}),
+    "llama_fsdp_ac_bf16": ("llama", {"dist.fsdp.size": 2, "memory.gc": True, "compute.bf16": True}),
+}
+FOUR = {
+    "gpt2_hsdp": ("gpt2", {"dist.fsdp.size": 2, "dist.dp.size": 2}),
+    "llama_fsdp_tp_ac": ("llama", {"dist.fsdp.size": 2, "dist.tp.size": 2, "memory.gc": True}),
+}
+
+
+def build_config(settings: dict) -> torchacc.Config:
+    config = torchacc.Config()
+    config.dist.timeout = 120.0
+    for dotted, value in settings.items():
+        *path, leaf = dotted.split(".")
+        node = config
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, value)
+    return config
+
+
+def build_model(kind: str, *, seed: int = 0) -> torch.nn.Module:
+    return tiny_gpt2(seed=seed) if kind == "gpt2" else tiny_llama(seed=seed)
+
+
+def wrap_classes(kind: str) -> set[str]:
+    return {"GPT2Block"} if kind == "gpt2" else {"LlamaDecoderLayer"}
+
+
+def measure(kind: str, settings: dict) -> dict:
+    """One real step after a first one: the held bytes and the measured peak of this rank.
+
+    ``track_memory`` counts every tensor alive in the process, like CUDA's allocator; the scenarios that ran
+    before in this launch leave some alive (their results), so those bytes are subtracted.
+    """
+    gc.collect()
+    with torchacc.track_memory() as before:
+        leftover = before.baseline_bytes
+    config = build_config(settings)
+    config.dist.fsdp.wrap_layer_cls = wrap_classes(kind)
+    model = torchacc.accelerate(build_model(kind), config=config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(torchacc.dist.rank()))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    gc.collect()
+    with torchacc.track_memory():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    report = torchacc.memory_report(model, optimizer)
+    return {
+        "parameters": report.parameters.held_bytes,
+        "gradients": report.gradients.held_bytes,
+        "optimizer_state": report.optimizer_state.held_bytes,
+        "peak": report.peak_bytes - leftover,
+    }
+
+
+def estimate(kind: str, settings: dict, world_size: int) -> dict:
+    config = build_config(settings)
+    config.dist.fsdp.wrap_layer_cls = wrap_classes(kind)
+    with torchacc.init_empty_weights():
+        model = build_model(kind)
+    found = torchacc.estimate_memory(
+        model, config, world_size=world_size, micro_batch_size=BATCH, seq_len=SEQ, device_type="cpu"
+    )
+    return {
+        "parameters": found.parameters,
+        "gradients": found.gradients,
+        "optimizer_state": found.optimizer_state,
+        "peak": found.peak,
+    }
+
+
+def _oracle(configs: dict) -> dict:
+    start = time.perf_counter()
+    rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
+    measured = {name: measure(kind, settings) for name, (kind, settings) in configs.items()}
+    mine = {name: estimate(kind, settings, world) for i, (name, (kind, settings)) in enumerate(configs.items())
+            if i % world == rank}  # fmt: skip
+    memory_tracking._last = None  # the scenarios after these expect no track_memory() block in the process
+    estimates: dict = {}
+    for part in torchacc.dist.collectives.all_gather_object(mine):  # the real group still works
+        estimates.update(part)
+    return {"measured": measured, "estimated": estimates, "seconds": time.perf_counter() - start}
+
+
+def oracle_two() -> dict:
+    return _oracle(TWO)
+
+
+def oracle_four() -> dict:
+    return _oracle(FOUR)

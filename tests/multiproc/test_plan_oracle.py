@@ -1,0 +1,34 @@
+"""``torchacc.estimate_memory`` against real gloo runs of the same config and model (the estimate's oracle).
+
+The ranks of the shared ``two_ranks`` and ``four_ranks`` launches (conftest.py) run plan_scenarios.py: every
+configuration trained for real (FSDP, TP, FSDP with activation checkpointing in bf16 at 2 ranks; HSDP, FSDP x TP
+with AC at 4 ranks; GPT-2 and Llama shapes), and the estimates computed inside the same processes while their
+real process group is alive. Parameter, gradient and optimizer bytes must be equal,
+on every rank the estimate speaks for (rank 0, the busiest); the estimated peak must be within 10% of the peak
+``track_memory`` measured (benchmarks/plan_accuracy.py records the figures on larger shapes).
+"""
+
+import pytest
+
+
+def _check(results: list[dict], names: list[str]) -> None:
+    rank0 = results[0]["plan_oracle"]
+    for result in results:  # every rank gathered the same estimates over the real group afterwards
+        assert result["plan_oracle"]["estimated"] == rank0["estimated"]
+    assert sorted(rank0["estimated"]) == sorted(names)
+    for name in names:
+        measured, estimated = rank0["measured"][name], rank0["estimated"][name]
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert estimated[key] == measured[key], (name, key, estimated, measured)
+        assert estimated["peak"] == pytest.approx(measured["peak"], rel=0.10), (name, estimated, measured)
+        for result in results[1:]:  # rank 0 holds the most (torch.chunk's first pieces are the largest)
+            other = result["plan_oracle"]["measured"][name]
+            assert other["parameters"] <= measured["parameters"], (name, other, measured)
+
+
+def test_estimates_equal_two_real_ranks(two_ranks):
+    _check(two_ranks, ["gpt2_fsdp", "llama_tp", "llama_fsdp_ac_bf16"])
+
+
+def test_estimates_equal_four_real_ranks(four_ranks):
+    _check(four_ranks, ["gpt2_hsdp", "llama_fsdp_tp_ac"])

@@ -1,0 +1,279 @@
+"""Planning in one process: the fake process group, ``estimate_memory``, ``track_memory``, the per-rank arithmetic
+the planner scales to 70B, the planner against full fake steps, ``torchacc plan``, and every planning error.
+
+The exact oracle against real runs is tests/multiproc/test_plan_oracle.py; the 10% comparison on larger shapes
+is benchmarks/plan_accuracy.py.
+"""
+
+import contextlib
+import json
+import math
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+import yaml
+from _models import SEQ, TinyNet, tiny_gpt2, tiny_llama
+
+import torchacc
+from torchacc.cli import main
+from torchacc.distributed.fake import fake_process_group
+from torchacc.parallel import memory_tracking
+from torchacc.parallel.layout import Layout
+from torchacc.parallel.memory_tracking import LiveBytes
+from torchacc.planning.candidates import Cluster, checkpointing_axis, parallel_axis
+from torchacc.planning.command import format_plan, parse_bytes
+from torchacc.planning.models import build_meta_model
+from torchacc.planning.plan import plan_layouts
+from torchacc.planning.scaling import held_state
+
+LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": SEQ, "tie_word_embeddings": False}  # fmt: skip
+
+
+def llama_config(num_layers: int, **overrides):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=num_layers, **{**LLAMA, **overrides})
+
+
+@pytest.fixture(autouse=True)
+def _forget_tracked_peaks():
+    """memory_report reads the latest track_memory() block of the process: other test modules expect none."""
+    yield
+    memory_tracking._last = None
+
+
+def config_of(**settings) -> torchacc.Config:
+    config = torchacc.Config()
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    for dotted, value in settings.items():
+        *path, leaf = dotted.split("__")
+        node = config
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, value)
+    return config
+
+
+def _gather(mesh) -> float:
+    """A DTensor op that communicates over ``mesh``: DTensor caches how it did it, by mesh (and meshes of one shape
+    compare equal whatever their groups)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    doubled = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2  # its spec (and mesh) from DTensor's cache
+    return doubled.redistribute(mesh, [Replicate()]).to_local().sum()
+
+
+def test_fake_group_inside_a_real_one_leaves_it_working():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world, names, hook = c10d._world, dict(c10d._world.pg_names), sys.excepthook
+    real_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    assert _gather(real_mesh) == 16.0
+    with fake_process_group(world_size=1):  # a mesh equal to the real one, on a fake group
+        _gather(init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    for _ in range(2):  # the second world's mesh equals the first's, whose groups are gone
+        with fake_process_group(world_size=8, rank=3):
+            assert (dist.get_world_size(), dist.get_rank()) == (8, 3)
+            _gather(init_device_mesh("cpu", (8,), mesh_dim_names=("tp",)))
+    assert (c10d._world, dict(c10d._world.pg_names), sys.excepthook) == (world, names, hook)
+    tensor = torch.ones(3)
+    dist.all_reduce(tensor)
+    assert dist.get_world_size() == 1 and _gather(real_mesh) == 16.0  # not sent to the fake world's groups
+
+
+def test_estimate_leaves_the_process_as_found_and_the_model_unchanged():
+    torch.manual_seed(7)
+    model, rng = TinyNet(), torch.get_rng_state()
+    weight = model.head.weight.detach().clone()
+    found = torchacc.estimate_memory(model, config_of(dist__fsdp__size=2, dist__fsdp__wrap_layer_cls={"Block"}),
+                                     world_size=2, micro_batch_size=4, seq_len=1, device_type="cpu",
+                                     batch_fn=lambda batch, _: (torch.randn(batch, 16),))  # fmt: skip
+    assert not dist.is_initialized() and torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_default_device() == torch.device("cpu") and torch.get_default_dtype() == torch.float32
+    assert type(model) is TinyNet and torch.equal(model.head.weight, weight)  # a copy was sharded, not the model
+    # TinyNet: 3 blocks of 2128 elements (1064 on rank 0) and a 1-row head (all 17 on rank 0), float32
+    assert (found.parameters, found.gradients) == (4 * (3 * 1064 + 17), 4 * (3 * 1064 + 17))
+    assert found.optimizer_state == 2 * found.parameters + 4 * 14  # two moments, and a 4-byte step per tensor
+    assert found.peak > found.parameters + found.gradients + found.optimizer_state
+    assert str(found).splitlines()[0] == "rank 0 of 2, fsdp=2, micro batch 4 x 1 tokens"
+
+
+def test_tied_weights_count_once_without_fsdp():
+    model = tiny_gpt2()  # lm_head.weight is transformer.wte.weight
+    found = torchacc.estimate_memory(model, torchacc.Config(), world_size=1, micro_batch_size=2, seq_len=SEQ,
+                                     device_type="cpu")  # fmt: skip
+    held = torchacc.memory_report(model).parameters.held_bytes
+    assert (found.parameters, found.gradients) == (held, held)
+
+
+def test_foreach_adamw_holds_one_temporary_like_the_parameters_in_fake_and_real_steps():
+    def step_bytes(fake: bool) -> int:
+        with fake_process_group(world_size=2):
+            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+            with torch.device("meta" if fake else "cpu"):
+                model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False))
+            torch.distributed.fsdp.fully_shard(model, mesh=mesh)
+            mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+            with mode if fake else contextlib.nullcontext():
+                if fake:
+                    model.to_empty(device="cpu")
+                optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+                for param in model.parameters():
+                    param.grad = torch.zeros_like(param)
+                live = LiveBytes()
+                live.track(list(model.parameters()), [p.grad for p in model.parameters()])
+                with live:  # the first step: DTensor derives its foreach shapes now (see [Note: shape propagation])
+                    optimizer.step()  # makes the state, which stays, and the temporaries, which go
+                return live.peak - live.current
+
+    shards = (32 * 64 + 16 * 64) * 4  # this rank's parameter bytes
+    assert step_bytes(fake=False) == shards
+    assert step_bytes(fake=True) == shards
+
+
+def test_track_memory_counts_live_cpu_tensors_and_memory_report_reads_it():
+    model = TinyNet()
+    with fake_process_group(world_size=2):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+        with torch._subclasses.fake_tensor.FakeTensorMode():
+            shards = [torch.distributed.tensor.Shard(0)]
+            ghost = torch.distributed.tensor.DTensor.from_local(torch.empty(1 << 28), mesh, shards, run_check=False)
+    with torchacc.track_memory("cpu") as tracked:
+        first = torch.empty(1 << 20, dtype=torch.uint8)
+        second = torch.empty(2 << 20, dtype=torch.uint8)
+        del first
+        third = torch.empty(1 << 20, dtype=torch.uint8)
+    assert tracked.peak_bytes - tracked.baseline_bytes == 3 << 20
+    # a DTensor of fake shards (left by an estimate) is no memory: 1 GiB here
+    assert sum(4 * p.numel() for p in model.parameters()) <= tracked.baseline_bytes < ghost.to_local().nbytes
+    assert torchacc.memory_report(model).peak_bytes == tracked.peak_bytes
+    del second, third
+
+
+def _rows(dim0: int, parts: int) -> int:
+    """Rows of rank 0 when ``dim0`` is split like torch.chunk into ``parts``."""
+    return min(math.ceil(dim0 / parts), dim0)
+
+
+def test_per_rank_parameter_bytes_at_64_gpus_equal_the_arithmetic():
+    """The planner's exact state (the engine on 2- and 3-block cuts at the real size, extrapolated) for a cheap
+    Llama shape on 64 GPUs; torchacc plan does the same for the 70B shape on 512 (docs/planning.md)."""
+    vocab, d, f, layers, kv_dim = 1000, 96, 200, 7, 96
+    model = build_meta_model(llama_config(layers, vocab_size=vocab, hidden_size=d, intermediate_size=f,
+                                          num_attention_heads=8, num_key_value_heads=8))  # fmt: skip
+    classes = (type(model.model.layers[0]),)
+    sizes = ((64, 1), (8, 8), (8, 1))
+    layouts = {(f, t): Layout.from_config(config_of(dist__fsdp__size=f, dist__tp__size=t), world_size=64,
+                                          device_type="cuda") for f, t in sizes}  # fmt: skip
+    found = dict(zip(layouts, held_state(model, list(layouts.values()), classes, num_blocks=layers), strict=True))
+    for (fsdp, tp), line in found.items():
+        # (rows, columns, TP split dim): colwise and embedding_rowwise split dim 0, rowwise dim 1, norms none
+        block = [(d, d, 0), (kv_dim, d, 0), (kv_dim, d, 0), (d, d, 1), (f, d, 0), (f, d, 0), (d, f, 1), (d, 1, None),
+                 (d, 1, None)]  # fmt: skip
+        rest = [(vocab, d, 0), (d, 1, None), (vocab, d, 0)]  # embeddings, final norm, lm_head
+
+        def held(rows: int, cols: int, split: int | None, fsdp=fsdp, tp=tp) -> int:
+            rows, cols = (rows // tp, cols) if split == 0 else (rows, cols // tp) if split == 1 else (rows, cols)
+            return 4 * _rows(rows, fsdp) * cols
+
+        expected = layers * sum(held(*p) for p in block) + sum(held(*p) for p in rest)
+        assert line.at(layers).parameters == expected, (fsdp, tp)
+        assert line.at(layers).optimizer_state == 2 * expected + 4 * (9 * layers + 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    """4 GPUs, nodes of 4: FSDP, HSDP, FSDP x TP 2 and TP 4 (refused: 2 KV heads), AC none / every block."""
+    axes = [parallel_axis, lambda c: checkpointing_axis(c)[:2]]
+    return plan_layouts(llama_config(5), cluster=Cluster(num_gpus=4, gpus_per_node=4), micro_batch_size=2,
+                        seq_len=SEQ, axes=axes)  # fmt: skip
+
+
+def test_planner_matches_full_fake_steps_and_lists_what_accelerate_refuses(tiny_plan):
+    assert [c.label for c, _ in tiny_plan.refused] == ["tp=4", "tp=4, AC every block"]
+    assert all("does not divide num_key_value_heads=2" in error for _, error in tiny_plan.refused)
+    assert len(tiny_plan.layouts) == 4
+    (row,) = [row for row in tiny_plan.layouts if row.candidate.label == "fsdp=2 x tp=2, AC every block"]
+    # scaled from 2- and 3-block fake steps at 2 x 2 ranks, against the full 5-block fake step of accelerate()'s path
+    full = torchacc.estimate_memory(llama_config(5), row.config, world_size=4, micro_batch_size=2, seq_len=SEQ)
+    scaled = row.estimate
+    assert (scaled.parameters, scaled.gradients, scaled.optimizer_state) == (
+        full.parameters, full.gradients, full.optimizer_state)  # fmt: skip
+    assert scaled.peak == pytest.approx(full.peak, rel=0.05)
+
+
+def test_the_plan_as_text(tiny_plan):
+    text = format_plan(tiny_plan, model_name="tiny")
+    assert "4 layouts fit, fastest first" in text
+    assert "| layout | peak per GPU | activations | step s | tokens/s per GPU | MFU |" in text
+    assert "Layouts that cannot exist (what accelerate() would raise):\n- tp=4: dist.tp.size=4 does not divide" in text
+    best = torchacc.Config.from_dict(yaml.safe_load(text.split("for Config.from_yaml:\n\n")[1]))
+    assert best.to_dict() == tiny_plan.best.config.to_dict()
+    assert best.dist.fsdp.wrap_layer_cls == {"LlamaDecoderLayer"}
+
+
+def test_torchacc_plan_on_a_model_directory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3, **LLAMA}))
+    argv = ["plan", "--model", str(tmp_path), "--gpus", "1", "--gpu-memory", "1GB", "--seq-len", str(SEQ),
+            "--micro-batch", "2", "--bf16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path}: 0.00B parameters, 3 blocks; 1 GPUs (1 node of 1)")
+    assert yaml.safe_load(out.split("for Config.from_yaml:\n\n")[1])["compute"]["bf16"] is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8; use a multiple of 8"),
+        (["--gpu-memory", "eighty"], "--gpu-memory 'eighty' is not a size; write e.g. 80GB or 80GiB"),
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+    ],
+)
+def test_torchacc_plan_errors_are_one_line(argv, message, tmp_path, capsys):
+    base = {"--model": str(tmp_path), "--gpus": "8", "--seq-len": "16", "--micro-batch": "1"}
+    base.update(dict(zip(argv[::2], argv[1::2], strict=True)))
+    assert main(["plan", *[x for pair in base.items() for x in pair]]) == 1
+    assert message in capsys.readouterr().err
+
+
+class _ReadsItsWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.scale = float(self.proj.weight.abs().max().item())  # a value: there is none on the meta device
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "error"),
+    [
+        (
+            _ReadsItsWeights,
+            {},
+            r"could not build _ReadsItsWeights \(in __init__\) on the meta device .*its "
+            r"constructor must not read weight values",
+        ),
+        ("/no/such/dir", {}, r"model path '/no/such/dir' holds no config.json"),
+        (lambda: TinyNet(), {}, r"TinyNet has no config.vocab_size, .* pass batch_fn="),
+        (lambda: tiny_llama(), {"dist__fsdp__size": 3}, r"dist.fsdp.size=3 does not divide world size 4"),
+        (lambda: tiny_llama(), {"dist__tp__size": 4}, r"dist.tp.size=4 does not divide num_key_value_heads=2"),
+    ],
+)
+def test_estimate_errors_name_the_module_or_the_constraint(model, kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        torchacc.estimate_memory(model, config_of(**kwargs), world_size=4, micro_batch_size=1, seq_len=8)
+
+
+def test_sizes_and_clusters_that_cannot_be():
+    assert (parse_bytes("80GB"), parse_bytes("80GiB"), parse_bytes("0.5")) == (80 * 10**9, 80 * 2**30, 5 * 10**8)
+    with pytest.raises(ValueError, match="--ac-interval must be >= 2"):
+        Cluster(num_gpus=8, ac_interval=1)
+    with pytest.raises(ValueError, match=r"micro_batch_size must be an int >= 1, got 0"):
+        torchacc.estimate_memory(TinyNet(), config_of(), world_size=1, micro_batch_size=0, seq_len=8)
