@@ -108,6 +108,8 @@ DECODERS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}),
     # query_key_value: q, k and v fused, grouped per head
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    # scales the embeddings in the decoder's forward and the logits after the head
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 3.0, "logits_scaling": 5.0}),
     # q_norm and k_norm over the whole projected width (not per head); its own plan gathers q, k and v
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     # use_qk_norm=True (Command R+): q_norm and k_norm hold one weight per head, shape (heads, head_dim)

@@ -1,7 +1,8 @@
 """The parity matrix's families, layouts and runs (test_matrix.py holds what each cell must give).
 
-``run_layout`` runs inside each rank of one launch per layout (see tests/_launch.py) and trains every
-family in every init variant; ``reference`` trains one unsharded model in the pytest process.
+``run_layouts`` runs inside each rank of one launch per world size (see tests/_launch.py) and trains every
+family in every init variant on every layout of that size; ``reference`` trains one unsharded model in the
+pytest process.
 
 A family is a tiny Hugging Face decoder (2 layers, hidden 64, 4 heads / 2 key-value heads, vocabulary
 128, dropout off), its FSDP unit and the TP plan the matrix uses. A layout is a world size and the config
@@ -16,6 +17,7 @@ serves every layout.
 import contextlib
 import importlib
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +118,15 @@ class Layout:
     sequence_split: int = 1  # the decoder layers must see 1/sequence_split of each sequence
 
     @property
+    def num_stages(self) -> int:
+        """Pipeline stages: each rank holds the parameters of one of them."""
+        return self.settings.get("dist.pp.size", 1)
+
+    @property
     def num_data_ranks(self) -> int:
-        return self.world_size // self.settings.get("dist.tp.size", 1)
+        """Ranks that take batches of their own: the ranks of a TP group, a CP group or a pipeline share theirs."""
+        shared = ("dist.tp.size", "dist.cp.size", "dist.pp.size")
+        return self.world_size // math.prod(self.settings.get(key, 1) for key in shared)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -128,6 +137,14 @@ LAYOUTS: dict[str, Layout] = {
         "TP 2 + SP", 2, {"dist.tp.size": 2, "dist.tp.sequence_parallel": True}, frozenset({"tp"}), sequence_split=2
     ),
     "fsdp2_tp2": Layout("FSDP 2 x TP 2", 4, {"dist.fsdp.size": 2, "dist.tp.size": 2}, frozenset({"fsdp", "tp"})),
+    # a stage alone holds plain tensors: test_matrix.py checks the stages' parameters instead
+    "pp2": Layout("PP 2", 2, {"dist.pp.size": 2}, frozenset()),
+    "pp2_fsdp2": Layout("PP 2 x FSDP 2", 4, {"dist.pp.size": 2, "dist.fsdp.size": 2}, frozenset({"fsdp"})),
+    # the ranks of a CP group hold the same parameters: FSDP shards them over fsdp x cp
+    "cp2": Layout("CP 2", 2, {"dist.cp.size": 2}, frozenset({"fsdp_cp"}), sequence_split=2),
+    "cp2_fsdp2": Layout(
+        "CP 2 x FSDP 2", 4, {"dist.cp.size": 2, "dist.fsdp.size": 2}, frozenset({"fsdp_cp"}), sequence_split=2
+    ),
 }
 
 
@@ -196,27 +213,28 @@ def _axes(model: torch.nn.Module) -> frozenset[str]:
     )
 
 
-def _count_block_tokens(model: torch.nn.Module, seen: list[int]) -> None:
-    """Record in ``seen`` how many tokens of each sequence the last decoder layer takes."""
+def _count_block_tokens(model: torch.nn.Module, block: str, seen: list[int]) -> None:
+    """Record in ``seen`` how many tokens of each sequence the last decoder layer of this rank takes."""
 
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         seen.append((hidden.to_local() if isinstance(hidden, DTensor) else hidden).shape[1])
 
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-    layers[-1].register_forward_pre_hook(record, with_kwargs=True)
+    # by class name: under a pipeline, the rank's blocks are no longer in an nn.ModuleList
+    blocks = [m for m in model.modules() if block in {cls.__name__ for cls in type(m).__mro__}]
+    blocks[-1].register_forward_pre_hook(record, with_kwargs=True)
 
 
 def _train(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[float], list[list[int]]]:
+    """The loop every layout runs: the plain loop with ``torchacc.train_step`` as its forward and backward."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, indices = [], []
     for batch in batches:
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        loss.backward()
+        indices.append(batch.pop("index").tolist())  # not the model's: the test checks which samples each rank saw
+        loss = torchacc.train_step(model, batch)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        indices.append(batch["index"].tolist())
     return losses, indices
 
 
@@ -231,7 +249,7 @@ def train_cell(family: str, layout: str, variant: str) -> dict:
     except ValueError as exc:
         return {"refused": str(exc)}
     block_tokens: list[int] = []
-    _count_block_tokens(model, block_tokens)
+    _count_block_tokens(model, FAMILIES[family].block, block_tokens)
     try:
         losses, indices = _train(model, itertools.islice(loader, NUM_STEPS))
     except Exception as exc:  # noqa: BLE001 - the test reports it as the cell's failure
@@ -256,13 +274,18 @@ def own_plan_refusal(family: str) -> str | None:
     return None
 
 
-def run_layout(layout: str) -> dict:
-    """Every family in every init variant on this rank; at TP 2 also the own plans the matrix does not use."""
-    cells = {(family, variant): train_cell(family, layout, variant) for family in FAMILIES for variant in VARIANTS}
-    own_plans = {}
-    if layout == "tp2":
-        own_plans = {name: own_plan_refusal(name) for name, spec in FAMILIES.items() if spec.tp_plan != "auto"}
-    return {"cells": cells, "own_plans": own_plans}
+def run_layouts(world_size: int | str) -> dict[str, dict]:
+    """Every layout of ``world_size`` ranks, each with every family in every init variant, on this rank (one launch
+    per world size: starting the ranks costs more than a layout's cells); at TP 2 also the own plans the matrix does
+    not use. Returns layout -> ``{"cells": {(family, variant): cell}, "own_plans": {family: message}}``."""
+    results = {}
+    for layout in (name for name, spec in LAYOUTS.items() if spec.world_size == int(world_size)):  # argv: a str
+        cells = {(family, variant): train_cell(family, layout, variant) for family in FAMILIES for variant in VARIANTS}
+        own_plans = {}
+        if layout == "tp2":
+            own_plans = {name: own_plan_refusal(name) for name, spec in FAMILIES.items() if spec.tp_plan != "auto"}
+        results[layout] = {"cells": cells, "own_plans": own_plans}
+    return results
 
 
 def reference(family: str, variant: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""Metrics inside each rank (see tests/_launch.py); test_metrics.py checks the records against a hand computation.
+"""Metrics inside each rank (see tests/_launch.py); test_metrics_ranks.py checks the records against a hand
+computation.
 
 Each scenario returns what the hand computation needs (the losses, tokens, learning rates and gradient norms
 the rank saw) next to the records ``torchacc.last_metrics()`` gave after each logged step.
@@ -9,7 +10,8 @@ import os
 import resource
 
 import torch
-from _models import SEQ, tiny_gpt2, tiny_llama, token_dataset
+import torch.distributed as dist
+from _models import SEQ, VOCAB, tiny_gpt2, tiny_llama, token_dataset
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -149,5 +151,169 @@ def hsdp_metrics() -> dict:
     return seen
 
 
+def _layout_run(config: torchacc.Config, model: torch.nn.Module, dataset: list, *, batch_size: int) -> dict:
+    """4 steps of ``train_step`` with a record every 2 steps, step 2 clipped (the record reuses the clip's norm) and
+    step 4 not (the recorder computes it); an evaluation in eval mode with gradients enabled before step 4, whose
+    loss is no training loss. Returns what the hand computation needs, beside the records."""
+    config.dist.timeout = 120.0
+    config.metrics.every = 2
+    config.metrics.sinks = set()
+    config.metrics.peak_flops = 1e12
+    seen: dict = {"losses": [], "norms": {}, "records": [], "lrs": [], "tokens": [], "positions": []}
+    seen["num_params"] = sum(p.numel() for p in model.parameters())  # the whole model, before any split
+    seen["shape"] = (model.config.num_hidden_layers, model.config.hidden_size)
+    model, loader = torchacc.accelerate(model, DataLoader(dataset, batch_size=batch_size), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step, batch in enumerate(itertools.islice(loader, 4), start=1):
+        if step == 1:
+            first = {k: v for k, v in batch.items() if k != "index"}
+        if step == 4:  # another batch's loss: the record must not take it for step 4's
+            model.eval()
+            seen["eval_loss"] = model(**first).loss.item()  # gradients enabled (allowed under a pipeline)
+            model.train()
+        loss = torchacc.train_step(model, {k: v for k, v in batch.items() if k != "index"})
+        if step == 2:
+            seen["norms"][step] = torchacc.clip_grad_norm_(model.parameters(), max_norm=1e6)
+        elif step == 4:
+            seen["norms"][step] = stage_grad_norm(model)
+        seen["losses"].append(loss.item())
+        seen["lrs"].append(optimizer.param_groups[0]["lr"])
+        # what this rank's loader read: the whole sequences (before a context-parallel split)
+        whole = [dataset[i] for i in batch["index"].tolist()]
+        mask = torch.stack([s.get("attention_mask", torch.ones_like(s["input_ids"])) for s in whole])
+        seen["tokens"].append(int(mask.sum()))
+        seen["positions"].append(int(mask.sum()) * mask.shape[1])
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 2 == 0:
+            seen["records"].append(torchacc.last_metrics())
+    dims = torchacc.accelerated_state(model).layout.dims
+    seen["data_rank"], seen["num_data_ranks"] = dims.data_parallel_rank(torchacc.dist.rank()), dims.num_data_ranks
+    close_metrics()
+    return seen
+
+
+def stage_grad_norm(model: torch.nn.Module) -> float:
+    """The oracle under any layout: each rank's full (gathered) gradients, squared and summed over the ranks that
+    hold different parameters (the stages of a pipeline), apart from torchacc's clip_grad."""
+    grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    squares = torch.stack([g.double().square().sum() for g in grads if g is not None]).sum().reshape(1)
+    dims = torchacc.accelerated_state(model).layout.dims
+    if dims.pp > 1:
+        everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, squares)
+        # the pipeline is the outermost axis: the ranks of one pipeline are world / pp apart
+        per_stage = dist.get_world_size() // dims.pp
+        rank = dist.get_rank()
+        squares = sum(everyone[r] for r in range(rank % per_stage, dist.get_world_size(), per_stage))
+    return float(squares.sqrt())
+
+
+def padded_dataset(num_samples: int = 16, length: int = SEQ - 1, *, masked: bool = True) -> list[dict]:
+    """Samples of an odd length (context parallelism pads them); ``masked``: with right padding, sample ``i``
+    hiding its last ``i % 3`` positions from attention and loss; else without an attention mask."""
+    gen = torch.Generator().manual_seed(3)
+    samples = []
+    for i in range(num_samples):
+        ids = torch.randint(0, VOCAB - 1, (length,), generator=gen)
+        sample = {"input_ids": ids, "labels": ids, "index": torch.tensor(i)}
+        if masked:
+            mask = (torch.arange(length) < length - i % 3).long()
+            sample.update(attention_mask=mask, labels=torch.where(mask == 1, ids, torch.tensor(-100)))
+        samples.append(sample)
+    return samples
+
+
+def pp_records() -> dict:
+    """Pipeline parallelism over 2 ranks (1F1B, 2 microbatches): each rank holds half the model's parameters."""
+    config = torchacc.Config()
+    config.dist.pp.size = 2
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    return _layout_run(config, tiny_llama(seed=0, num_hidden_layers=4), token_dataset(32), batch_size=4)
+
+
+def cp_records() -> dict:
+    """Context parallelism over 2 ranks: each rank sees one chunk of every (padded) sequence."""
+    config = torchacc.Config()
+    config.dist.cp.size = 2
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    return _layout_run(config, tiny_llama(seed=0), padded_dataset(), batch_size=2)
+
+
+def fsdp_tp_records() -> dict:
+    """FSDP 2 x TP 2 at 4 ranks (run from scenarios.hsdp_suite)."""
+    config = torchacc.Config()
+    config.dist.fsdp.size, config.dist.tp.size = 2, 2
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    return _layout_run(config, tiny_llama(seed=0), padded_dataset(length=SEQ), batch_size=2)
+
+
+def pp_fsdp_records() -> dict:
+    """PP 2 x FSDP 2 at 4 ranks (run from scenarios.hsdp_suite): 2 data-parallel ranks, each a pipeline."""
+    config = torchacc.Config()
+    config.dist.pp.size, config.dist.fsdp.size = 2, 2
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    return _layout_run(config, tiny_llama(seed=0, num_hidden_layers=4), token_dataset(32), batch_size=4)
+
+
+def strategy_layout(kind: str) -> dict:
+    """FSDP2Strategy under PP 2 (2 accumulation steps, clipping: the record takes optimizer_step's norm) or CP 2
+    (no clipping: the record's norm is the recorder's); 2 optimizer steps, one record."""
+    config = torchacc.Config()
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    config.dist.timeout = 120.0
+    config.metrics.every = 2
+    config.metrics.sinks = set()
+    config.metrics.peak_flops = 1e12
+    pipelined = kind == "pp"
+    config.dist.pp.size, config.dist.cp.size = (2, 1) if pipelined else (1, 2)
+    micro = 4 if pipelined else 2
+    accumulation = 2 if pipelined else 1
+    strategy = torchacc.FSDP2Strategy(
+        config,
+        micro_train_batch_size=micro,
+        train_batch_size=accumulation * micro,
+        max_norm=1e6 if pipelined else 0.0,
+        seed=0,
+    )
+    strategy.setup_environment()
+    plain = tiny_llama(seed=0, num_hidden_layers=4 if pipelined else 2)
+    seen: dict = {"losses": [], "norms": [], "tokens": [], "positions": []}
+    seen["num_params"] = sum(p.numel() for p in plain.parameters())
+    seen["shape"] = (plain.config.num_hidden_layers, plain.config.hidden_size)
+    dataset = token_dataset(32) if pipelined else padded_dataset(masked=False)
+    model = strategy.parallelize(plain)
+    loader = strategy.process_dataloader(DataLoader(dataset, batch_size=micro))
+    optimizer = strategy.create_optimizer(model, lr=1e-3)
+    for i, batch in enumerate(itertools.islice(loader, 2 * accumulation)):
+        loss = strategy.training_step({k: v for k, v in batch.items() if k != "index"}, i)
+        strategy.backward(loss, model, optimizer)
+        if not pipelined and i == 1:
+            seen["norms"].append(stage_grad_norm(model))  # the oracle, before step 2
+        norm = strategy.optimizer_step(optimizer, model)
+        if pipelined and norm is not None:
+            seen["norms"].append(norm)
+        seen["losses"].append(loss.item())
+        whole = [dataset[j] for j in batch["index"].tolist()]
+        mask = torch.stack([s.get("attention_mask", torch.ones_like(s["input_ids"])) for s in whole])
+        seen["tokens"].append(int(mask.sum()))
+        seen["positions"].append(int(mask.sum()) * mask.shape[1])
+    seen["record"] = torchacc.last_metrics()
+    dims = torchacc.accelerated_state(model).layout.dims
+    seen["data_rank"], seen["num_data_ranks"] = dims.data_parallel_rank(torchacc.dist.rank()), dims.num_data_ranks
+    seen["accumulation_steps"] = strategy.accumulation_steps
+    seen["lr"] = optimizer.param_groups[0]["lr"]
+    close_metrics()
+    return seen
+
+
 def suite(out: str) -> dict:
-    return {"fsdp": fsdp_all_sinks(out), "tp": tp_tokens(), "strategy": strategy_accumulation()}
+    return {
+        "fsdp": fsdp_all_sinks(out),
+        "tp": tp_tokens(),
+        "strategy": strategy_accumulation(),
+        "pp": pp_records(),
+        "cp": cp_records(),
+        "strategy_pp": strategy_layout("pp"),
+        "strategy_cp": strategy_layout("cp"),
+    }

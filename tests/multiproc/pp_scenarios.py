@@ -172,8 +172,18 @@ def strategy_run() -> dict:
     return {"losses": losses, "norms": norms, "state": full_state(model), "validation": validation, "full": full}
 
 
+def meta_init(config: torchacc.Config) -> dict[str, torch.Tensor]:
+    """This rank's stages of a Llama built on the meta device after seeding 7 + rank, then accelerated: they must
+    hold one process's draw (seeded 7), as if the whole model had been initialized in one process."""
+    with torchacc.init_empty_weights():
+        model = model_of("llama", seed=7 + torchacc.dist.rank())
+    return full_state(torchacc.accelerate(model, config=config))
+
+
 def two_rank_suite(out: str) -> dict:
     return {
+        "meta_pp2_rank_seeds": meta_init(pp_config()),
+        "meta_pp2_interleaved_rank_seeds": meta_init(pp_config(schedule="Interleaved1F1B", stages_per_rank=2)),
         "pp2_llama_1f1b": train(pp_config()),
         "pp2_qwen2_gpipe": train(pp_config(kind="qwen2", schedule="GPipe"), kind="qwen2"),
         "pp2_llama_interleaved": train(pp_config(schedule="Interleaved1F1B", stages_per_rank=2)),
@@ -184,12 +194,14 @@ def two_rank_suite(out: str) -> dict:
 
 def four_rank_suite(out: str) -> dict:
     os.makedirs(Path(out) / "shards", exist_ok=True)
+    meta = meta_init(pp_config(fsdp=2))  # first, as in the two-rank suite
     trained = train(pp_config(fsdp=2), save=out)
     batches: list = [None] * torchacc.dist.world_size()
     torch.distributed.all_gather_object(batches, trained["indices"][-1])
     third = sorted({i for batch in batches for i in batch})  # the global batch of step 3: 8 samples
     rank = torchacc.dist.rank()
     return {
+        "meta_pp2_fsdp2_rank_seeds": meta,
         "pp2_fsdp2_llama_1f1b": trained,
         "pp2_fsdp2_qwen2_interleaved": train(
             pp_config(kind="qwen2", fsdp=2, schedule="Interleaved1F1B", stages_per_rank=2), kind="qwen2"

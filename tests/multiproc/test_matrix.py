@@ -2,8 +2,9 @@
 accelerate() refuses it up front with the same ValueError on every rank.
 
 ``CELLS`` below is the one statement of what each cell gives (docs/parity.md shows it, and a test keeps
-the two equal); matrix_scenarios.py builds the families and runs the layouts. One launch per layout runs
-every family in both init variants; one test per cell and variant reads it, so a failure names its cell.
+the two equal); matrix_scenarios.py builds the families and runs the layouts. One launch per world size runs
+every layout of that size, each with every family in both init variants; one test per cell and variant reads
+it, so a failure names its cell.
 The one-process references run here, once per family and variant, shared by every layout.
 
 A cell that a known defect breaks today is ``xfail(strict=True)``: when the fix lands, the cell passes,
@@ -71,6 +72,21 @@ LOCAL_EXPERTS = Refused(
     "parallelism (each rank would keep its tokens' share of their gradient): TP 2 without SP trains it exactly",
 )
 
+PP_LAYOUT = Refused(
+    r"dist\.pp\.size > 1 splits Hugging Face decoder-only models .* GPT2LMHeadModel \(blocks in 'transformer\.h'\) "
+    r"lacks its blocks in a list named 'layers', an embed_tokens embedding",
+    "GPT-2's decoder (`wte` and `wpe`, blocks in `h`, `ln_f`) is not the `embed_tokens`, `layers`, final-norm "
+    "decoder the pipeline splits (and its head is tied to its embedding): train it with FSDP or HSDP",
+)
+PP_TIED = Refused(
+    r"dist\.pp: lm_head\.weight is tied to model\.embed_tokens\.weight, but the head lives on the last stage and "
+    r"the embedding on the first; untie them",
+    "the head shares its weight with the embedding (`tie_word_embeddings=True`, the family's default), but the head "
+    "lives on the last stage and the embedding on the first, and the pipeline does not add up the two stages' "
+    "gradients of one weight: untie them (`tie_word_embeddings=False`) or train without PP",
+)
+PP_COLUMN = {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": PP_LAYOUT, "gemma": PP_TIED, "gemma2": PP_TIED}
+
 # What each cell gives: layout -> family -> outcome. A cell broken by a known defect says what it must give.
 CELLS: dict[str, dict[str, Verified | Refused]] = {
     "fsdp2": dict.fromkeys(FAMILIES, VERIFIED),
@@ -78,6 +94,10 @@ CELLS: dict[str, dict[str, Verified | Refused]] = {
     "tp2": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
     "tp2_sp": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D, "mixtral": LOCAL_EXPERTS},
     "fsdp2_tp2": {**dict.fromkeys(FAMILIES, VERIFIED), "gpt2": CONV1D},
+    "pp2": PP_COLUMN,
+    "pp2_fsdp2": PP_COLUMN,
+    "cp2": dict.fromkeys(FAMILIES, VERIFIED),
+    "cp2_fsdp2": dict.fromkeys(FAMILIES, VERIFIED),
 }
 
 # The families whose own plan (dist.tp.plan="auto") torchacc refuses, so that the matrix uses a dict plan.
@@ -105,7 +125,8 @@ def known_defects(layout: str, family: str, variant: str) -> list[Defect]:
 
 
 def _cases():
-    for layout in LAYOUTS:
+    # grouped by world size (one launch each), in the table's order within a group
+    for layout in sorted(LAYOUTS, key=lambda name: LAYOUTS[name].world_size):
         for family in FAMILIES:
             for variant in VARIANTS:
                 defects = known_defects(layout, family, variant)
@@ -115,24 +136,32 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """``launched(layout, part)``: each rank's ``part`` ("cells" or "own_plans") of one launch of ``layout``.
+    """``launched(layout, part)``: each rank's ``part`` ("cells" or "own_plans") of ``layout``.
 
-    The tests run layout by layout, so each layout launches once; only the current one keeps its cells.
+    One launch per world size runs every layout of that size; the tests run world size by world size, so each
+    size launches once, and only the current size keeps its cells.
     """
-    cache: dict[str, list[dict]] = {}
+    cache: dict[int, list[dict]] = {}
 
     def get(layout: str, part: str = "cells") -> list[dict]:
-        if part not in cache.get(layout, [{}])[0]:
-            for name, ranks in cache.items():
-                cache[name] = [{key: value for key, value in rank.items() if key != "cells"} for rank in ranks]
-            cache[layout] = launch(
-                f"{SCENARIOS}:run_layout",
-                LAYOUTS[layout].world_size,
-                tmp_path_factory.mktemp(layout),
-                args=(layout,),
-                timeout=600,
+        size = LAYOUTS[layout].world_size
+        if part not in cache.get(size, [{layout: {}}])[0][layout]:
+            for other, ranks in cache.items():
+                cache[other] = [
+                    {
+                        name: {key: value for key, value in parts.items() if key != "cells"}
+                        for name, parts in rank.items()
+                    }
+                    for rank in ranks
+                ]
+            cache[size] = launch(
+                f"{SCENARIOS}:run_layouts",
+                size,
+                tmp_path_factory.mktemp(f"ranks{size}"),
+                args=(size,),
+                timeout=1200,  # every layout of the size; a hang guard, not a budget
             )
-        return [rank[part] for rank in cache[layout]]
+        return [rank[layout][part] for rank in cache[size]]
 
     return get
 
@@ -179,15 +208,27 @@ def test_cell(launched, reference, layout, family, variant):
         share = len(results) // LAYOUTS[layout].num_data_ranks  # the ranks of a TP group share a batch
         assert sorted(seen) == sorted(batch * share), f"step {step}: the ranks' batches are not the global batch"
     ref_losses, ref_state = reference(family, variant)
+    if LAYOUTS[layout].num_stages > 1:
+        _assert_stages([result["state"].keys() for result in results], ref_state.keys(), LAYOUTS[layout].num_stages)
     # each data-parallel rank's loss is its own batch's mean, and the batches are equal: their mean is the global loss
     losses = torch.tensor([result["losses"] for result in results]).mean(dim=0)
     worst = (losses - torch.tensor(ref_losses)).abs().max().item()
     assert worst < TOL, f"losses {losses.tolist()} differ from one process's {ref_losses} by {worst:.2e}"
     for rank, result in enumerate(results):
-        assert result["state"].keys() == ref_state.keys(), "accelerate() must keep the state_dict keys"
-        diffs = {name: (result["state"][name] - value).abs().max().item() for name, value in ref_state.items()}
+        if LAYOUTS[layout].num_stages == 1:
+            assert result["state"].keys() == ref_state.keys(), "accelerate() must keep the state_dict keys"
+        diffs = {name: (value - ref_state[name]).abs().max().item() for name, value in result["state"].items()}
         name = max(diffs, key=diffs.get)
         assert diffs[name] < TOL, f"rank {rank}: {name} differs from one process by {diffs[name]:.2e}"
+
+
+def _assert_stages(keys: list, whole: set[str], num_stages: int) -> None:
+    """Under a pipeline each rank holds one stage's part of the state, under the plain model's names: the
+    ``num_stages`` parts are disjoint, and together they are the whole model's state."""
+    parts = {frozenset(part) for part in keys}
+    assert len(parts) == num_stages, f"the ranks hold {len(parts)} different parts of the model, not {num_stages}"
+    assert sum(map(len, parts)) == len(set().union(*parts)), "two stages hold the same tensor"
+    assert set().union(*parts) == set(whole), "accelerate() must keep the state_dict keys, over the stages"
 
 
 @pytest.mark.parametrize("family", sorted(OWN_PLAN_REFUSED))

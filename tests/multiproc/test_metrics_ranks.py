@@ -1,8 +1,9 @@
 """Metrics records on 2 ranks against a hand computation, and every sink read back with its own reader.
 
 One launch runs every scenario of metrics_scenarios.py: FSDP with every sink, TP (the ranks of a TP group
-count their shared batches once) and FSDP2Strategy with gradient accumulation. HSDP runs in the shared 4-rank
-launch (``four_ranks``, conftest.py). The gradient norms are checked against the norm of the gathered gradients.
+count their shared batches once), FSDP2Strategy with gradient accumulation, and PP 2 and CP 2 through
+``train_step`` and through the strategy. HSDP, FSDP 2 x TP 2 and PP 2 x FSDP 2 run in the shared 4-rank launch
+(``four_ranks``, conftest.py). The gradient norms are checked against the norm of the gathered gradients.
 """
 
 import json
@@ -180,3 +181,109 @@ def test_hsdp_norm_sums_shards_not_replicas(four_ranks):
     assert _close(record["grad_norm"], seen[0]["norms"][-1], 1e-12)
     assert _close(record["loss"], sum(s["losses"][-1] for s in seen) / 4, 1e-6)
     assert _close(record["tokens_per_second"] * record["step_seconds"] * 2, 4 * 2 * 2 * SEQ)  # 4 data ranks
+
+
+# Under PP, CP, FSDP x TP and PP x FSDP each value is a test of its own (VALUES), checked against a hand
+# computation from what each rank saw; "rest" holds the keys, step, lr, memory, data wait and the agreement of
+# the ranks.
+VALUES = ("loss", "tokens_per_second", "mfu", "grad_norm", "rest")
+
+
+def _check_value(
+    value: str, record: dict, seen: list[dict], batches: range, *, step: int, loss, grad_norm: float, lr: float
+) -> None:
+    """One value of ``record`` (optimizer step ``step``, over the batches ``batches`` since the previous record,
+    2 optimizer steps) against the hand computation: ``loss(seen_of_a_rank)``, the logged step's loss, averaged
+    over the data-parallel ranks; the tokens and the attention's token positions of each data-parallel rank's
+    whole sequences, counted once; 6 x the whole model's parameters per token; ``grad_norm``, the norm of the
+    gathered gradients of all stages (or the clip's own return)."""
+    from torchacc.metrics import KEYS
+
+    data_ranks = list({s["data_rank"]: s for s in seen}.values())  # one rank per data-parallel rank
+    assert len(data_ranks) == seen[0]["num_data_ranks"]
+    tokens = sum(s["tokens"][i] for s in data_ranks for i in batches)
+    positions = sum(s["positions"][i] for s in data_ranks for i in batches)
+    seconds = record["step_seconds"] * 2  # every record here is of 2 optimizer steps
+    if value == "loss":
+        assert "loss" in record, record
+        assert _close(record["loss"], sum(loss(s) for s in data_ranks) / len(data_ranks), 1e-6)
+    elif value == "tokens_per_second":
+        assert _close(record["tokens_per_second"] * seconds, tokens)
+        assert _close(record["tokens_per_second_per_device"], record["tokens_per_second"] / len(seen))
+    elif value == "mfu":
+        layers, width = seen[0]["shape"]
+        flops = 6 * seen[0]["num_params"] * tokens + 12 * layers * width * positions
+        assert _close(record["mfu"], flops / (seconds * len(seen) * 1e12))
+    elif value == "grad_norm":
+        assert _close(record["grad_norm"], grad_norm, 1e-12)
+    else:
+        assert list(record) == list(KEYS), f"missing: {set(KEYS) - set(record)}"
+        assert record["step"] == step and record["lr"] == lr
+        assert 0 <= record["data_wait_seconds"] < record["step_seconds"]
+        assert record["memory_peak_bytes"] > 0
+        fraction = record["memory_peak_bytes"] / os.sysconf("SC_PHYS_PAGES") / os.sysconf("SC_PAGE_SIZE")
+        assert _close(record["memory_peak_fraction"], fraction)
+
+
+def _check_layout(value: str, seen: list[dict]) -> None:
+    """The two records of ``metrics_scenarios._layout_run``: step 2 clipped, step 4 not."""
+    for index, record in enumerate(seen[0]["records"]):
+        step = 2 * (index + 1)
+        _check_value(
+            value,
+            record,
+            seen,
+            range(step - 2, step),
+            step=step,
+            loss=lambda s, step=step: s["losses"][step - 1],
+            grad_norm=seen[0]["norms"][step],
+            lr=1e-3,
+        )
+    if value == "loss":  # the evaluation forward before step 4 (gradients enabled) had another loss
+        assert not _close(seen[0]["eval_loss"], seen[0]["losses"][3], 1e-3)
+    if value == "grad_norm":
+        assert seen[0]["records"][0]["grad_norm"] == seen[0]["norms"][2]  # the clip's own return, not recomputed
+    if value == "rest":
+        for key in ("step", "loss", "grad_norm", "lr", "memory_peak_bytes"):  # the same on every rank
+            assert all([r[key] for r in s["records"]] == [r[key] for r in seen[0]["records"]] for s in seen)
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("layout", ["pp", "cp"])
+def test_pp_and_cp_records(ranks, layout, value):
+    """PP 2 (1F1B, 2 microbatches): the loss is train_step's (an evaluation forward is none), MFU counts both
+    stages' parameters, the batch the stages share counts once, the norm covers both stages. CP 2: each rank holds
+    a chunk of every (odd-length, so padded) sequence; its tokens count once, without the padding, and the
+    attention term of MFU is that of the whole sequence."""
+    _, results = ranks
+    _check_layout(value, [r[layout] for r in results])
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("layout", ["metrics_fsdp_tp", "metrics_pp_fsdp"])
+def test_four_rank_layout_records(four_ranks, layout, value):
+    """FSDP 2 x TP 2 and PP 2 x FSDP 2 at 4 ranks: 2 data-parallel ranks, whose losses are averaged; the grad norm
+    equals clip_grad_norm_'s and the gathered gradients' (over both stages)."""
+    _check_layout(value, [r[layout] for r in four_ranks])
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("kind", ["pp", "cp"])
+def test_strategy_records_under_pp_and_cp(ranks, kind, value):
+    """FSDP2Strategy: under PP 2 with 2 accumulation steps the loss is the mean of the micro-batches' and the norm
+    optimizer_step's; under CP 2 (sequences of odd length without an attention mask: the input ids count, not
+    the padding) the norm is the recorder's (no clipping)."""
+    _, results = ranks
+    seen = [r[f"strategy_{kind}"] for r in results]
+    accumulation = seen[0]["accumulation_steps"]
+    assert accumulation == (2 if kind == "pp" else 1)
+    _check_value(
+        value,
+        seen[0]["record"],
+        seen,
+        range(2 * accumulation),
+        step=2,
+        loss=lambda s: sum(s["losses"][accumulation:]) / accumulation,  # step 2's micro-batches
+        grad_norm=seen[0]["norms"][-1],
+        lr=seen[0]["lr"],
+    )

@@ -135,14 +135,6 @@ def test_sync_sends_only_the_tensors_that_differ(two_ranks):
         assert same == 0 and 0 < differ <= num_tensors, sync["engine_counts"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FSDP2 registers its pre-backward hooks on the tensors it finds in a module's output; a plain object "
-    "holds none, so the root unit (torchacc reshards it after forward: fsdp.wrap_fsdp passes reshard_after_forward "
-    "to the root too) is not gathered again for backward, which fails in autograd ('setStorage: ... out of bounds "
-    "for storage of size 0'). Keep the root gathered (FSDP2's default for the root), or refuse/explain at the first "
-    "backward",
-)
 def test_a_model_whose_output_is_a_plain_object_trains(two_ranks):
     from scenarios import _PlainOutputNet
 
@@ -154,3 +146,5 @@ def test_a_model_whose_output_is_a_plain_object_trains(two_ranks):
         assert result["error"] is None, result["error"]
         for name, param in model.named_parameters():
             torch.testing.assert_close(result["grads"][name], param.grad, msg=name)
+        assert result["gathered_for_backward"], "the root unit stays gathered from forward to backward"
+        assert result["sharded_after_backward"] and result["sharded_after_eval"], "and is freed when none follows"

@@ -77,6 +77,32 @@ def _stage_keys(results: list[dict]) -> list[set[str]]:
     return [set(r["state"]) for r in results]
 
 
+def _meta_reference() -> dict[str, torch.Tensor]:
+    """One process's meta init of the model that pp_scenarios.meta_init builds (rank 0's seed)."""
+    from pp_scenarios import NUM_LAYERS
+    from scenarios import full_state
+
+    with torchacc.init_empty_weights():
+        model = tiny_llama(seed=7, num_hidden_layers=NUM_LAYERS)
+    return full_state(torchacc.accelerate(model))
+
+
+@pytest.mark.parametrize(
+    ("suite", "layout"),
+    [("two", "meta_pp2_rank_seeds"), ("two", "meta_pp2_interleaved_rank_seeds"), ("four", "meta_pp2_fsdp2_rank_seeds")],
+)
+def test_meta_init_under_a_pipeline_equals_one_process(request, suite, layout):
+    """A stage built on the meta device gets one process's values (seeded like rank 0), also when each rank was
+    seeded differently: the stages' draws come in the whole model's order, not from the start of each stage."""
+    reference = _meta_reference()
+    union: dict[str, torch.Tensor] = {}
+    for result in request.getfixturevalue(suite):
+        for key, value in result[layout].items():
+            assert torch.equal(value, reference[key]), (layout, key)
+            union[key] = value
+    assert union.keys() == reference.keys()
+
+
 def test_pp2_1f1b_matches_one_process_and_each_stage_holds_its_part(two):
     results = [r["pp2_llama_1f1b"] for r in two]
     _assert_parity(results)

@@ -1,6 +1,7 @@
 """accelerate() in one process: the errors it raises before any collective, and what it returns."""
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -185,27 +186,31 @@ def test_activation_checkpointing_recomputes_and_saves_less(num_layers, recomput
         torch.testing.assert_close(p.grad, q.grad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memory.gc with a Hugging Face model whose config.use_cache is True (the default): the model builds a "
-    "KV cache in the training forward and the checkpointed layer's recomputation appends its keys again; with a "
-    "sliding window (Mistral, Gemma 2 and 3) attention then fails ('The size of tensor a (23) must match the size "
-    "of tensor b (16)'), under every layout. compute.compile sets use_cache=False for this reason "
-    "(engine._compile_blocks); activation_checkpoint.py does not",
-)
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_activation_checkpointing_of_a_model_with_a_kv_cache_matches_no_checkpointing(family):
+def test_activation_checkpointing_of_a_model_with_a_kv_cache_matches_no_checkpointing(family, monkeypatch):
+    monkeypatch.setattr(torchacc._utils.logging, "_seen", set())
     plain = tiny_decoder(family, sliding_window=8)
     config = torchacc.Config()
     config.memory.gc = True
     config.dist.fsdp.wrap_layer_cls = {type(plain.model.layers[0]).__name__}
-    checkpointed = torchacc.accelerate(tiny_decoder(family, sliding_window=8), config=config)
+    with pytest.warns(UserWarning, match=r"memory.gc=True: training forwards run with use_cache=False"):
+        checkpointed = torchacc.accelerate(tiny_decoder(family, sliding_window=8), config=config)
     assert checkpointed.config.use_cache
     ids = torch.stack([sample["input_ids"] for sample in token_dataset(2)])
     for model in (plain, checkpointed):
-        model(input_ids=ids, labels=ids).loss.backward()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert out.past_key_values is None, "a training forward with checkpointed layers builds no KV cache"
     for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+    assert checkpointed.config.use_cache, "the model's setting is left for generate()"
+    with torch.no_grad():
+        assert checkpointed(input_ids=ids).past_key_values is not None, "without gradients the cache is built"
+    prompt = ids[:, :4]
+    torch.testing.assert_close(
+        checkpointed.generate(prompt, max_new_tokens=3, do_sample=False),
+        plain.generate(prompt, max_new_tokens=3, do_sample=False),
+    )
 
 
 def test_grad_scaler_skips_an_overflowing_step_in_one_process():
@@ -251,15 +256,23 @@ def test_compile_keeps_keys_and_hooks_and_needs_wrap_classes():
     assert all("_orig_mod" not in k for k in model.state_dict())
 
 
-def test_compile_turns_off_the_hf_kv_cache_with_a_warning(monkeypatch):
+def test_compile_trains_without_the_hf_kv_cache_with_a_note(monkeypatch):
     """With use_cache=True each compiled GPT-2 block recompiles, and past the recompile limit runs eager."""
     monkeypatch.setattr(torchacc._utils.logging, "_seen", set())
-    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # only the config change is under test
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # only the cache switch is under test
     config = torchacc.Config()
     config.compute.compile = True
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
     model = tiny_gpt2()
     assert model.config.use_cache
-    with pytest.warns(UserWarning, match="set model.config.use_cache=False: a KV cache makes every compiled block"):
+    with pytest.warns(UserWarning, match=r"compute.compile=True: training forwards run with use_cache=False"):
         model = torchacc.accelerate(model, config=config)
-    assert model.config.use_cache is False
+    assert model.config.use_cache, "left as it is, for generate()"
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    assert model(input_ids=ids).past_key_values is None
+    position = list(inspect.signature(model.forward).parameters).index("use_cache")
+    assert model(ids, *[None] * (position - 1), True).past_key_values is None, "a positional use_cache=True too"
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is not None
+    model.eval()
+    assert model(input_ids=ids).past_key_values is not None

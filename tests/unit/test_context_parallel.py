@@ -3,12 +3,12 @@ any collective (the training itself is compared with one process in tests/multip
 
 import pytest
 import torch
-from _models import TinyNet, tiny_llama
+from _models import TinyNet, tiny_decoder, tiny_llama
 
 import torchacc
 from torchacc.data.context import split_sequences
 from torchacc.distributed.mesh import context_parallel_rank, data_parallel_rank
-from torchacc.parallel.context import resolve_context_parallel
+from torchacc.parallel.context_plan import resolve_context_parallel
 from torchacc.parallel.layout import Layout
 from torchacc.parallel.plan import plan_model
 
@@ -141,8 +141,20 @@ def _qwen2(**overrides):
         ),
         (
             lambda: _qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+            {"method": "ring"},
+            r"dist.cp.method='ring' runs plain causal attention, but Qwen2ForCausalLM has sliding-window layers "
+            r"\(0, 1\); use dist.cp.method='ulysses'",
+        ),
+        (
+            lambda: _with_layer_types(tiny_llama(), ["full_attention", "chunked_attention"]),
             {},
-            "dist.cp: Qwen2ForCausalLM has sliding-window or chunked attention layers",
+            r"dist.cp: LlamaForCausalLM has chunked_attention layers \(config.layer_types\), whose masks torchacc "
+            r"does not build over split sequences \(it builds full and sliding-window causal masks\)",
+        ),
+        (
+            lambda: _without_context_parallel(tiny_llama()),
+            {},
+            r"dist.cp: LlamaForCausalLM says it cannot run under context parallelism",
         ),
         (
             lambda: tiny_llama(attn_implementation="eager"),
@@ -162,6 +174,26 @@ def _qwen2(**overrides):
 def test_models_context_parallelism_cannot_split_are_refused(build, kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolve_context_parallel(build(), **{"size": 2, "method": "ulysses", **kwargs})
+
+
+def _with_layer_types(model, layer_types):
+    model.config.layer_types = layer_types
+    return model
+
+
+def _without_context_parallel(model):
+    model._supports_context_parallel = False  # attention sinks, for one (transformers' class flag)
+    return model
+
+
+def test_sliding_window_layers_are_split_with_their_own_masks():
+    plan = resolve_context_parallel(
+        _qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=1), size=2, method="ulysses"
+    )
+    assert plan.sliding_layers == frozenset({1}), "Qwen2 slides from max_window_layers on"
+    mistral = tiny_decoder("mistral", sliding_window=4)  # no layer_types: every layer slides
+    assert resolve_context_parallel(mistral, size=2, method="ulysses").sliding_layers == frozenset({0, 1})
+    assert resolve_context_parallel(tiny_llama(), size=2, method="ulysses").sliding_layers == frozenset()
 
 
 def _bert():

@@ -2,6 +2,7 @@
 log_metrics/last_metrics and the CLI (``torchacc plot``, ``--version``). The 2-rank records and the TensorBoard
 and W&B read-backs are in tests/multiproc/test_metrics_ranks.py."""
 
+import functools
 import gc
 import json
 import sys
@@ -118,7 +119,14 @@ def test_make_record_by_hand():
     # two ranks: the step's loss (rank 1 had none), tokens, tokens x seq, wait s, memory and capacity bytes
     rows = [[2.0, 1.0, 300.0, 300.0 * 10, 0.5, 100.0, 1000.0], [9.0, 0.0, 100.0, 100.0 * 10, 1.5, 400.0, 800.0]]
     record = make_record(
-        rows, step=4, num_steps=2, seconds=4.0, tp_size=1, flops_per_token=60.0, attention_flops=12.0, peak_flops=1e3
+        rows,
+        step=4,
+        num_steps=2,
+        seconds=4.0,
+        num_ranks_per_batch=1,
+        flops_per_token=60.0,
+        attention_flops=12.0,
+        peak_flops=1e3,
     )
     assert record == {
         "step": 4,
@@ -132,7 +140,14 @@ def test_make_record_by_hand():
         "memory_peak_fraction": 0.5,
     }
     tp = make_record(
-        rows, step=4, num_steps=2, seconds=4.0, tp_size=2, flops_per_token=6.0, attention_flops=0.0, peak_flops=None
+        rows,
+        step=4,
+        num_steps=2,
+        seconds=4.0,
+        num_ranks_per_batch=2,
+        flops_per_token=6.0,
+        attention_flops=0.0,
+        peak_flops=None,
     )
     assert tp["tokens_per_second"] == 200 / 4.0 and "mfu" not in tp  # a TP pair saw each batch twice
 
@@ -205,6 +220,57 @@ def test_one_process_records_console_jsonl_and_user_values(tmp_path, capsys):
     assert "mfu" not in last  # no peak FLOP/s on a CPU unless metrics.peak_flops is given
     out = capsys.readouterr().out
     assert out.count("step 2 | loss ") == out.count("step 4 | loss ") == 1 and "step 10 | eval_accuracy 0.75" in out
+
+
+def test_the_loss_is_the_one_backward_ran_through():
+    """An evaluation in eval mode with gradients enabled (no backward) and one under no_grad give no training loss;
+    with 2 accumulation steps the record's loss is the mean of the micro-batches' whose backward ran."""
+    model, loader = torchacc.accelerate(tiny_gpt2(), _lm_loader(8), _config(every=1, sinks=set()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = list(loader)
+    model.eval()
+    model(**batches[3])  # evaluation, gradients enabled
+    with torch.no_grad():
+        model(**batches[2])
+    model.train()
+    losses = []
+    for batch in batches[:2]:
+        loss = model(**batch).loss
+        (loss / 2).backward()
+        losses.append(loss.item())
+    optimizer.step()
+    assert torchacc.last_metrics()["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+def test_tokens_are_counted_before_the_loaders_transform():
+    """Context parallelism's transform cuts each sequence to one chunk (padding odd lengths); the observer counts
+    the whole sequences: their tokens (not the padding) and, for the attention FLOPs, their whole length."""
+    from torchacc.data import shard_dataloader
+    from torchacc.data.context import split_sequences
+
+    mask = torch.ones(2, 15, dtype=torch.long)
+    mask[1, 12:] = 0
+    data = [{"input_ids": torch.arange(15), "attention_mask": m, "labels": torch.arange(15)} for m in mask]
+    loader = shard_dataloader(
+        DataLoader(data, batch_size=2),
+        num_replicas=1,
+        rank=0,
+        device=torch.device("cpu"),
+        transform=functools.partial(split_sequences, rank=1, size=2),
+    )
+    notes = []
+
+    class Observer:
+        def read(self, batch):
+            return count_tokens(batch)
+
+        def delivered(self, note, wait_seconds):
+            notes.append(note)
+
+    loader.observe(Observer())
+    (batch,) = list(loader)
+    assert batch["input_ids"].shape == (2, 8)  # this rank's chunk of the padded sequences
+    assert notes == [(27, 27 * 15)]
 
 
 def test_a_resumed_optimizer_goes_on_counting_steps():

@@ -10,6 +10,8 @@ from _models import TinyNet, tiny_decoder, tiny_gpt2, tiny_llama
 
 import torchacc
 from torchacc.distributed.mesh import data_parallel_rank
+from torchacc.parallel.layout import Layout
+from torchacc.parallel.plan import plan_model
 from torchacc.parallel.tp import resolve_tp_plan
 from torchacc.parallel.tp_rng import check_rng_states
 from torchacc.parallel.tp_sequence import check_sequence_length
@@ -541,3 +543,17 @@ def test_sequence_parallel_gathers_the_tokens_for_a_module_of_packed_layers():
     assert styles["model.layers.0.self_attn"] == styles["model.layers.1.mlp"] == "gather_sequence"
     assert styles["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
     assert styles["model.layers.0.mlp.down_proj"] == "rowwise_split_input"
+
+
+def test_compile_refuses_a_tp_plan_that_also_splits_a_layer_outside_the_blocks():
+    """Llama's own plan (the blocks' layers and lm_head) fails in the first backward with compiled blocks
+    (tests/multiproc/test_tp.py, TORCHACC_TEST_COMPILE_TP=1); a plan inside the blocks only is accepted."""
+    config = torchacc.Config()
+    config.dist.tp.size = 2
+    config.dist.fsdp.wrap_layer_cls = {"LlamaDecoderLayer"}
+    config.compute.compile = True
+    message = "compute.compile=True with dist.tp.size=2: dist.tp.plan splits model.embed_tokens, lm_head outside"
+    with pytest.raises(ValueError, match=re.escape(message) + ".*or set compute.compile=False"):
+        plan_model(tiny_llama(), Layout.from_config(config, world_size=2, device_type="cpu"))
+    config.dist.tp.plan = DECODER_PLAN
+    assert plan_model(tiny_llama(), Layout.from_config(config, world_size=2, device_type="cpu")).tp is not None

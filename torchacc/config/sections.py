@@ -41,8 +41,8 @@ class ComputeConfig(Node):
     compile: bool = False
     """``torch.compile`` every dist.fsdp.wrap_layer_cls block, after activation checkpointing and before sharding,
     in place (only its ``forward`` is compiled), so FSDP's hooks still fire and state_dict keys stay unchanged.
-    A Hugging Face model's ``config.use_cache`` is set to False (with a warning): a KV cache makes every block
-    recompile."""
+    A Hugging Face model's training forwards run with ``use_cache=False`` (with a warning): a KV cache makes every
+    block recompile. ``config.use_cache`` itself is unchanged, so ``generate()`` still uses a cache."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,7 +51,9 @@ class MemoryConfig(Node):
 
     _path: ClassVar[str] = "memory"
     gc: bool = False
-    """Enable activation checkpointing. gc=True with an empty gc_cls checkpoints the dist.fsdp.wrap_layer_cls layers."""
+    """Enable activation checkpointing. gc=True with an empty gc_cls checkpoints the dist.fsdp.wrap_layer_cls layers.
+    A Hugging Face model's training forwards then run with ``use_cache=False`` (with a warning): a recomputed layer
+    would append its keys to the KV cache again. ``config.use_cache`` itself is unchanged, for ``generate()``."""
     gc_cls: set[str] = field(default_factory=set)
     """Class names of the layers to checkpoint, e.g. {"GPT2Block"}; empty means dist.fsdp.wrap_layer_cls.
     Setting it while gc is False is an error."""
@@ -85,7 +87,9 @@ class FSDPConfig(Node):
     reshard_after_forward: bool | int = True
     """Free gathered parameters after forward and gather again in backward (less memory, more communication);
     False keeps them until backward; an int N reshards to groups of N ranks (a divisor of dist.fsdp.size other
-    than 1 and the size itself, e.g. the ranks of one node), so the backward all-gather stays inside them."""
+    than 1 and the size itself, e.g. the ranks of one node), so the backward all-gather stays inside them.
+    The root unit (parameters outside every wrap_layer_cls layer) always stays gathered from forward to backward,
+    FSDP2's default for a root: backward needs it first."""
     forward_prefetch: int = 0
     """All-gather the next N units' parameters during forward (explicit prefetching); 0 keeps FSDP2's default."""
     backward_prefetch: int = 0

@@ -282,10 +282,11 @@ class ShardedDataLoader:
             batches = iter(self.loader)
         if self._skip_reads:
             batches = itertools.islice(batches, self._skip_reads, None)
+        if self._observer is not None:
+            observing = observed(batches, self._observer, self.device, prefetch=self.prefetch, transform=self.transform)
+            return self._count(observing, progress)
         if self.transform is not None:
             batches = map(self.transform, batches)
-        if self._observer is not None:
-            return self._count(observed(batches, self._observer, self.device, prefetch=self.prefetch), progress)
         return self._count(place_batches(batches, self.device, prefetch=self.prefetch), progress)
 
     def _count(self, batches: Iterator[Any], progress: _Progress) -> Iterator[Any]:

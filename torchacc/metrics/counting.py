@@ -12,12 +12,19 @@ copied to the device), so counting never waits for the device:
 * otherwise the batch's first tensor: its elements when it holds integers in 2 or more dimensions (token
   ids), else its first dimension (samples: a CNN's "tokens" are its images).
 
+Every rank counts the batches its loader reads, before the loader's transform: under context parallelism the
+whole sequences, not this rank's chunk of them (nor the padding that makes their length divide). The ranks of
+one TP group, one CP group and one pipeline read the same batches, so the record divides the sum over all ranks
+by ``world size / data-parallel ranks`` (``tp x cp x pp``): each token counts once.
+
 [Note: MFU] Model FLOPs per token are ``6 * N`` for the trainable parameters ``N`` (forward 2, backward 4;
 each tied parameter counts once), plus ``12 * L * d * T`` for attention (the score and value products of
 ``L`` layers of width ``d`` over a sequence of ``T`` tokens, forward and backward; causal masking is not
 halved), as in the PaLM paper's appendix B and TorchTitan. ``L`` and ``d`` come from a Hugging Face model's
-config; other models get no attention term. MFU is those FLOPs over the wall time, the number of devices and
-one device's peak.
+config; other models get no attention term. ``N`` is the whole model's: a DTensor's ``numel`` is its global
+one (FSDP, TP), and under pipeline parallelism the stages' counts are summed over the pipeline once, at
+installation. ``T`` is the whole sequence's length, also under context parallelism. MFU is those FLOPs over the
+wall time, the number of devices and one device's peak.
 """
 
 import os

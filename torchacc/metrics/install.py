@@ -2,8 +2,11 @@
 
 ``install_metrics`` (called by ``accelerate()`` and ``FSDP2Strategy`` once the model is sharded) attaches:
 
-* a forward hook on the root module that keeps the output's ``.loss`` (a tensor, not read) while gradients
-  are enabled, and a forward pre-hook that starts the clock at the first forward;
+* a forward hook on the root module that keeps the output's ``.loss`` (a tensor, not read) once a backward
+  runs through it, and a forward pre-hook that starts the clock at the first forward. A pipelined model's
+  forward only evaluates (the schedule calls its stages), so the clock starts at its stages' first forward and
+  the loss is the one ``torchacc.train_step`` returns (``PipelineRuntime.register_step_hook``: the pipeline's
+  loss, the same on every rank of the pipeline);
 * the loader's observer (``ShardedDataLoader.observe``): tokens of each host batch and the wait for it;
 * two process-wide optimizer hooks (``register_optimizer_step_pre_hook``/``post_hook``), registered once
   while any model is watched and removed with the last one: the first optimizer that steps the model's
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
@@ -107,6 +111,7 @@ def install_metrics(
         return None
     state = accelerated_state(model)
     params = list(model.parameters())
+    dims, pipeline = state.layout.dims, state.pipeline
     shape = attention_shape(model)
     peak = peak_flops if peak_flops is not None else peak_flops_of(state.device)
     if peak is None and state.device.type == "cuda":
@@ -121,20 +126,27 @@ def install_metrics(
         except Exception as exc:  # any failure to open a sink (a path, a W&B login) reaches every rank
             error = f"{type(exc).__name__}: {exc}; check metrics.dir={dir!r} and metrics.sinks"
     raise_on_any_rank(error, what="opening the metrics sinks")
+    num_trainable = sum(p.numel() for p in params if p.requires_grad)  # a DTensor's numel is the whole tensor's
+    if pipeline is not None:  # this rank holds its stages' parameters only (never one tied across stages)
+        num_trainable = _sum_over(pipeline.group, num_trainable)
     recorder = Recorder(
         params,
         every=every,
         device=state.device,
-        tp_size=state.layout.dims.tp * state.layout.dims.pp,  # the ranks that take one batch
-        flops_per_token=6.0 * sum(p.numel() for p in params if p.requires_grad),
+        num_ranks_per_batch=dims.world_size // dims.num_data_ranks,  # see [Note: counting tokens] in counting.py
+        flops_per_token=6.0 * num_trainable,
         attention_flops=12.0 * shape[0] * shape[1] if shape else 0.0,
         peak_flops=peak,
         write=opened.write if opened is not None else _drop,
     )
-    handles = [
-        model.register_forward_pre_hook(lambda *_: recorder.start()),
-        model.register_forward_hook(_loss_hook(recorder)),
-    ]
+    if pipeline is None:
+        handles = [
+            model.register_forward_pre_hook(lambda *_: recorder.start()),
+            model.register_forward_hook(_loss_hook(recorder)),
+        ]
+    else:  # the schedule calls the stages, not the model, whose forward only evaluates: the loss is train_step's
+        handles = [stage.register_forward_pre_hook(lambda *_: recorder.start()) for stage in pipeline.stage_modules]
+        handles.append(pipeline.register_step_hook(recorder.add_loss))
     watch = _Watch(recorder, opened, handles)
     watch.finalizer = weakref.finalize(model, _remove, id(model))
     _live[id(model)] = watch
@@ -219,12 +231,21 @@ def _remove(key: int) -> None:
 
 def _loss_hook(recorder: Recorder) -> Any:
     def keep_loss(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():  # not under no_grad (evaluation)
-            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-            if isinstance(loss, torch.Tensor):
-                recorder.add_loss(loss)
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:  # not under no_grad
+            # Kept when a backward runs through it: an evaluation in eval mode with gradients enabled (no backward)
+            # is no training loss.
+            value = loss.detach()
+            loss.register_hook(lambda grad: recorder.add_loss(value))
 
     return keep_loss
+
+
+def _sum_over(group: Any, count: int) -> int:
+    """``count`` summed over the ranks of ``group`` (a CPU tensor: gloo, also in a CUDA job)."""
+    total = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(total, group=group)
+    return int(total.item())
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

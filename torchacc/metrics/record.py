@@ -44,7 +44,7 @@ def make_record(
     step: int,
     num_steps: int,
     seconds: float,
-    tp_size: int,
+    num_ranks_per_batch: int,
     flops_per_token: float,
     attention_flops: float,
     peak_flops: float | None,
@@ -57,7 +57,8 @@ def make_record(
         step: the optimizer steps taken so far.
         num_steps: the steps since the last record.
         seconds: the wall time since the last record.
-        tp_size: the ranks of one tensor-parallel group, which count the same batches.
+        num_ranks_per_batch: the ranks that read the same batches and count them alike: the world size over the
+            data-parallel ranks (``tp x cp x pp``; see [Note: counting tokens] in counting.py).
         flops_per_token: ``6 x`` the trainable parameters.
         attention_flops: the attention FLOPs per token and unit of sequence length (``12 x layers x width``).
         peak_flops: one device's peak FLOP/s, or None (no MFU).
@@ -68,14 +69,15 @@ def make_record(
     record: dict[str, float] = {"step": step}
     losses = [row[_LOSS] for row in rows if row[_HAS_LOSS]]
     if losses:
-        record["loss"] = sum(losses) / len(losses)  # the ranks of a TP group hold the same loss
-    tokens = sum(row[_TOKENS] for row in rows) / tp_size
+        record["loss"] = sum(losses) / len(losses)  # the ranks that share a batch hold the same loss
+    tokens = sum(row[_TOKENS] for row in rows) / num_ranks_per_batch
     if tokens:
         num_devices = len(rows)
         record["tokens_per_second"] = tokens / seconds
         record["tokens_per_second_per_device"] = tokens / seconds / num_devices
         if peak_flops:
-            flops = flops_per_token * tokens + attention_flops * sum(row[_TOKEN_POSITIONS] for row in rows) / tp_size
+            positions = sum(row[_TOKEN_POSITIONS] for row in rows) / num_ranks_per_batch
+            flops = flops_per_token * tokens + attention_flops * positions
             record["mfu"] = flops / (seconds * num_devices * peak_flops)
     record["step_seconds"] = seconds / num_steps
     record["data_wait_seconds"] = max(row[_WAIT] for row in rows) / num_steps
@@ -93,7 +95,7 @@ class Recorder:
         params: the model's parameters (their gradients' global norm is the ``grad_norm``).
         every: optimizer steps between records.
         device: this rank's device (the all-gather runs there).
-        tp_size: the ranks of one tensor-parallel group.
+        num_ranks_per_batch: the ranks that read the same batches (``tp x cp x pp``).
         flops_per_token: ``6 x`` the trainable parameters.
         attention_flops: ``12 x layers x width``, or 0.
         peak_flops: one device's peak FLOP/s, or None.
@@ -106,13 +108,14 @@ class Recorder:
         *,
         every: int,
         device: torch.device,
-        tp_size: int,
+        num_ranks_per_batch: int,
         flops_per_token: float,
         attention_flops: float,
         peak_flops: float | None,
         write: Callable[[dict[str, Any]], None],
     ) -> None:
-        self.params, self.every, self.device, self.tp_size = params, every, device, tp_size
+        self.params, self.every, self.device = params, every, device
+        self.num_ranks_per_batch = num_ranks_per_batch
         self.flops_per_token, self.attention_flops, self.peak_flops = flops_per_token, attention_flops, peak_flops
         self.write = write
         self.param_ids = {id(p) for p in params}
@@ -186,7 +189,7 @@ class Recorder:
             step=self.step,
             num_steps=self._num_steps,
             seconds=now - (self._since if self._since is not None else now),
-            tp_size=self.tp_size,
+            num_ranks_per_batch=self.num_ranks_per_batch,
             flops_per_token=self.flops_per_token,
             attention_flops=self.attention_flops,
             peak_flops=self.peak_flops,

@@ -9,6 +9,7 @@ takes its entry with it, and the unsharded parameters are not kept alive while t
 
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .layout import Layout
+
+if TYPE_CHECKING:
+    from .pipeline_step import PipelineRuntime
 
 __all__ = [
     "AcceleratedState",
@@ -45,6 +49,8 @@ class AcceleratedState:
     """The low compute dtype (bf16/fp16) or None for float32."""
     run_id: str
     """New for each accelerated model, the same on all its ranks; recorded in its shard metadata."""
+    pipeline: "PipelineRuntime | None" = None
+    """This rank's stages and their schedule under pipeline parallelism (``dist.pp.size > 1``); None otherwise."""
 
 
 def record_accelerated(model: nn.Module, state: AcceleratedState) -> None:

@@ -1,7 +1,8 @@
-"""Context parallelism on a Hugging Face model: check it (``resolve_context_parallel``), then apply it.
+"""Context parallelism on a Hugging Face model: apply it (``context_plan.py`` checks it first).
 
-``resolve_context_parallel`` runs before any collective and raises the same ``ValueError`` on every rank;
-``apply_context_parallel`` runs in the engine after TP and before activation checkpointing and ``fully_shard``.
+``resolve_context_parallel`` (context_plan.py) runs before any collective and raises the same ``ValueError`` on
+every rank; ``apply_context_parallel`` runs in the engine after TP and before activation checkpointing and
+``fully_shard``.
 The loader cuts every sequence into this rank's chunk (``torchacc/data/context.py``); this module makes the
 model train on the chunks exactly as on the whole sequences, without the user touching the model:
 
@@ -11,7 +12,8 @@ model train on the chunks exactly as on the whole sequences, without the user to
   ``context_attention.py``) that wraps it with the exchange between the ranks. The model's own mask builder
   has no entry for these names, so it hands the attention no mask; the wrapper uses the mask that the model
   would build for the whole sequences (padding, packed sequences), built from the positions and padding mask
-  of all chunks.
+  of all chunks: the sliding-window mask for the layers that ``config.layer_types`` (or, without it,
+  ``config.sliding_window``) makes slide, as the model's decoder chooses, the causal mask for the others.
 * One forward. A pre-forward hook gathers the chunks' positions, padding masks and target counts from the
   ranks of the CP group (one all-gather of small integer tensors), and passes a ``ContextForward`` down to the
   attention layers in the ``torchacc_cp`` keyword argument, which transformers forwards to them. It also turns
@@ -27,7 +29,6 @@ model train on the chunks exactly as on the whole sequences, without the user to
 import copy
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,22 +38,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..data.context import IGNORE_INDEX, split_sequences
 from .context_attention import CONTEXT_KWARG, ContextForward, ring_attention, ulysses_attention
+from .context_plan import CPPlan
 from .layout import Layout
 
-__all__ = ["CPPlan", "apply_context_parallel", "resolve_context_parallel", "sequence_split"]
+__all__ = ["apply_context_parallel", "sequence_split"]
 
 METHODS = {"ulysses": ("torchacc_ulysses", ulysses_attention), "ring": ("torchacc_ring", ring_attention)}
-SUPPORTED_ATTENTION = {"ulysses": ("sdpa", "eager"), "ring": ("sdpa",)}
-
-
-@dataclass(frozen=True)
-class CPPlan:
-    """A checked context-parallel plan for one model."""
-
-    size: int
-    method: str
-    attn_implementation: str
-    """The model's own attention implementation, which runs on the whole sequences."""
 
 
 def sequence_split(layout: Layout, rank: int) -> Callable[[Any], dict[str, Any]] | None:
@@ -65,77 +56,6 @@ def sequence_split(layout: Layout, rank: int) -> Callable[[Any], dict[str, Any]]
         size=layout.dims.cp,
         head_tail=layout.cp_method == "ring",
     )
-
-
-def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal") and hasattr(m, "config")
-    ]
-
-
-def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_size: int = 1) -> CPPlan:
-    """Check that ``model``'s attention can run over sequences split into ``size`` chunks; no communication.
-
-    Args:
-        model: the plain model: a transformers model whose attention goes through ``AttentionInterface``.
-        size: ``dist.cp.size``.
-        method: ``dist.cp.method``, "ulysses" or "ring".
-        tp_size: ``dist.tp.size``: with TP each rank holds ``1 / tp_size`` of the heads, which CP then shares.
-
-    Returns:
-        The plan ``apply_context_parallel`` carries out.
-
-    Raises:
-        ValueError: a model without such attention (no Hugging Face config, or attention modules that do not
-            go through the interface), non-causal, sliding-window or chunked attention, an attention
-            implementation other than sdpa or eager (sdpa for "ring"), or heads that ``tp_size * size`` does not
-            divide.
-    """
-    hf_config = getattr(model, "config", None)
-    implementation = getattr(hf_config, "_attn_implementation", None)
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    attention = _attention_modules(model)
-    if implementation is None or not attention or (callable(can_set) and not can_set()):
-        raise ValueError(
-            f"dist.cp.size={size} runs the attention of a Hugging Face transformers model over split sequences, but "
-            f"torchacc finds no such attention in {type(model).__name__}: it needs a transformers model (a "
-            "model.config with _attn_implementation) whose attention layers call transformers' AttentionInterface "
-            "(Llama, Qwen2, Mistral and most decoders do); train this model without context parallelism "
-            "(dist.cp.size=1)"
-        )
-    name = type(model).__name__
-    bidirectional = [n for n, m in attention if not m.is_causal]
-    if bidirectional:
-        raise ValueError(
-            f"dist.cp splits causal (decoder) attention, but {name}.{bidirectional[0]} attends both ways "
-            "(is_causal=False); train this model without context parallelism (dist.cp.size=1)"
-        )
-    if not getattr(model, "supports_context_parallel", True):
-        raise ValueError(
-            f"dist.cp: {name} has sliding-window or chunked attention layers (config.layer_types or "
-            "config.sliding_window), whose masks torchacc does not build over split sequences; use a config "
-            "without them (e.g. use_sliding_window=False) or dist.cp.size=1"
-        )
-    supported = SUPPORTED_ATTENTION[method]
-    if implementation not in supported:
-        raise ValueError(
-            f"dist.cp.method={method!r} runs the model's attention over whole sequences as "
-            f"{' or '.join(supported)}, but {name} uses attn_implementation={implementation!r}; load it with "
-            f"from_pretrained(..., attn_implementation='sdpa') or call model.set_attn_implementation('sdpa')"
-        )
-    split = size * tp_size
-    for field_name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(hf_config, field_name, None)
-        if isinstance(heads, int) and heads % split:
-            what = f"dist.cp.size={size}" + (f" * dist.tp.size={tp_size} = {split}" if tp_size > 1 else "")
-            choices = [n for n in range(1, heads + 1) if heads % (n * tp_size) == 0]
-            raise ValueError(
-                f"{what} does not divide {field_name}={heads} of {type(hf_config).__name__}: the ranks of a CP group "
-                f"each attend with a share of the heads; choose dist.cp.size in {choices}"
-            )
-    return CPPlan(size=size, method=method, attn_implementation=implementation)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, plan: CPPlan) -> None:
@@ -235,6 +155,7 @@ class _ForwardHooks:
             mask_config=self.mask_config,
             position_ids=full_positions,
             attention_mask=full_mask.bool() if mask is not None else None,
+            sliding_layers=self.plan.sliding_layers,
         )
         kwargs[CONTEXT_KWARG] = context
         # A KV cache would hold this chunk's keys, and a recomputing (activation-checkpointed) layer would append

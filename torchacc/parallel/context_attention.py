@@ -41,12 +41,13 @@ class ContextForward:
         mask_config: a copy of the model's config naming ``attn_implementation``, for transformers' mask builder.
         position_ids: positions of the whole sequences, ``(batch, seq)``.
         attention_mask: the whole sequences' 2-D padding mask, or None (no padding).
+        sliding_layers: the ``layer_idx`` of the layers that attend with a sliding window.
         num_targets: the number of targets of the whole sequences when the loss is the sum of each chunk's.
         num_calls: attention layers run so far (the model checks after its forward that some did).
     """
 
     __slots__ = ("mesh", "attn_implementation", "mask_config", "position_ids", "attention_mask", "num_targets")
-    __slots__ += ("num_calls", "_masks")
+    __slots__ += ("sliding_layers", "num_calls", "_masks")
 
     def __init__(
         self,
@@ -56,31 +57,36 @@ class ContextForward:
         mask_config: Any,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        sliding_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.mesh = mesh
         self.attn_implementation = attn_implementation
         self.mask_config = mask_config
         self.position_ids = position_ids
         self.attention_mask = attention_mask
+        self.sliding_layers = sliding_layers
         self.num_targets: torch.Tensor | None = None
         self.num_calls = 0
-        self._masks: dict[torch.dtype, Any] = {}
+        self._masks: dict[tuple[torch.dtype, bool], Any] = {}
 
-    def full_mask(self, dtype: torch.dtype) -> Any:
-        """The mask the model itself would build for the whole sequences (None: plain causal), built once."""
-        if dtype not in self._masks:
-            from transformers.masking_utils import create_causal_mask
+    def full_mask(self, dtype: torch.dtype, *, layer_idx: int | None = None) -> Any:
+        """The mask the model itself would build for the whole sequences for layer ``layer_idx`` (the sliding-window
+        mask for a sliding layer, else the causal one; None: plain causal), built once per kind."""
+        sliding = layer_idx in self.sliding_layers
+        if (dtype, sliding) not in self._masks:
+            from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
             num_batch, length = self.position_ids.shape
             shape_only = torch.empty(num_batch, length, 0, dtype=dtype, device=self.position_ids.device)
-            self._masks[dtype] = create_causal_mask(
+            build = create_sliding_window_causal_mask if sliding else create_causal_mask
+            self._masks[dtype, sliding] = build(
                 config=self.mask_config,
                 inputs_embeds=shape_only,
                 attention_mask=self.attention_mask,
                 cache=None,
                 position_ids=self.position_ids,
             )
-        return self._masks[dtype]
+        return self._masks[dtype, sliding]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -158,7 +164,7 @@ def ulysses_attention(
     group, size = context.mesh.get_group(), context.mesh.size()
     q, k, v = (_chunks_to_heads(t, group, size) for t in (query, key, value))
     attend = _own_attention(module, context.attn_implementation)
-    out, _ = attend(module, q, k, v, context.full_mask(q.dtype), **kwargs)
+    out, _ = attend(module, q, k, v, context.full_mask(q.dtype, layer_idx=getattr(module, "layer_idx", None)), **kwargs)
     return _heads_to_chunks(out, group, size), None
 
 

@@ -20,6 +20,7 @@ as well as the warnings about settings: the planner reports its own. A plain-DP 
 
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import MethodType
 
 import torch
@@ -49,10 +50,12 @@ from .activation_checkpoint import apply_activation_checkpointing
 from .context import apply_context_parallel
 from .fsdp import wrap_ddp, wrap_fsdp
 from .init_from import load_weights
+from .kv_cache import train_without_kv_cache
 from .layout import Layout
 from .memory_report import log_summary
 from .meta_init import materialize
-from .pipeline import restrict_tp_plan, split_model
+from .pipeline import restrict_tp_plan
+from .pipeline_stages import split_model, whole_model_scope
 from .pipeline_step import attach_pipeline
 from .plan import ModelPlan
 from .precision import compute_dtype, install_precision
@@ -69,18 +72,22 @@ ParallelizeFn = Callable[[nn.Module, DeviceMesh, MixedPrecisionPolicy], nn.Modul
 def _compile_blocks(model: nn.Module, classes: frozenset[type[nn.Module]]) -> None:
     # The block's forward is compiled in place (not wrapped in an OptimizedModule): the module's
     # __call__, and so FSDP's pre/post-forward hooks, stay eager, and no "_orig_mod." enters any key.
-    hf_config = getattr(model, "config", None)
-    if getattr(hf_config, "use_cache", None) is True:
-        # Each block updates its own layer's KV-cache entry and dynamo guards on it, so every block
-        # recompiles; past torch._dynamo.config.recompile_limit the remaining blocks silently run eager.
-        hf_config.use_cache = False
-        warn_once(
-            "compute.compile=True set model.config.use_cache=False: a KV cache makes every compiled block "
-            "recompile during training; set it back to True before calling generate()"
-        )
     for module in model.modules():
         if module is not model and isinstance(module, tuple(classes)):
             module.forward = torch.compile(module.forward)
+
+
+def _train_without_kv_cache(model: nn.Module, layout: Layout, *, warn: bool) -> None:
+    """See [Note: no KV cache in a training forward] in kv_cache.py; one note when it changes anything."""
+    names = train_without_kv_cache(model)
+    if warn and any(model.get_submodule(name).config.use_cache for name in names):
+        why = ["memory.gc=True"] if layout.checkpointing is not None else []
+        why += ["compute.compile=True"] if layout.compile else []
+        warn_once(
+            f"{' and '.join(why)}: training forwards run with use_cache=False (no KV cache: checkpointed layers "
+            "would append their keys again when recomputed, compiled blocks would recompile); "
+            "model.config.use_cache is unchanged, so generate() and forwards under torch.no_grad() still use one"
+        )
 
 
 def shard_model(
@@ -117,13 +124,15 @@ def shard_model(
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
-    stages = None
+    stages = pipeline = whole_model = None
     if plan.pp is not None and layout.pipeline is not None:  # see [Note: pipeline stages] in pipeline.py
         pipe = pp_submesh(mesh)
         local = range(pipe.get_local_rank(), plan.pp.num_stages, layout.dims.pp)
+        if plan.meta:  # see [Note: meta init under a pipeline] in meta_init.py
+            whole_model = whole_model_scope(model, plan.pp)
         stages = split_model(model, plan.pp, stages=local)
         buffers = {name: b for name, b in buffers.items() if name in dict(model.named_buffers())}
-        attach_pipeline(model, stages, schedule=layout.pipeline, group=pipe.get_group(), device=device)
+        pipeline = attach_pipeline(model, stages, schedule=layout.pipeline, group=pipe.get_group(), device=device)
     tp_mesh = tp_submesh(mesh)
     if tp_mesh is not None:
         sync_rng(tp_mesh, device=device)  # see [Note: one random stream per TP group] in tp_rng.py
@@ -139,6 +148,8 @@ def shard_model(
         )
     if layout.compile:
         _compile_blocks(model, plan.wrap_classes)
+    if (checkpointing is not None or layout.compile) and stages is None:  # the stages pass use_cache=False
+        _train_without_kv_cache(model, layout, warn=materialize)
     dtype = compute_dtype(layout.param_dtype, device=device) if materialize else layout.param_dtype
     if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
         dtype = mp_policy.param_dtype
@@ -167,7 +178,7 @@ def shard_model(
             )
         if not materialize:
             return _stop_before_materializing(model, device, dtype, autocast_dtype)
-        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from, whole_model=whole_model)
         if layout.broadcast_buffers and stages is None:  # no forward-changed buffers in the decoders PP splits
             broadcast_changed_buffers(model)
         record_parameter_names(model)  # names the parameters in optimizer-state errors
@@ -177,7 +188,7 @@ def shard_model(
             return _stop_before_materializing(model, device, dtype, autocast_dtype)
         if not plan.meta:
             model.to(device)
-        _fill(model, plan, device=device, buffers=buffers, init_from=init_from)
+        _fill(model, plan, device=device, buffers=buffers, init_from=init_from, whole_model=whole_model)
         if plan.tp is not None:  # TP alone: DTensor parameters too (see [Note: plain optimizer loads])
             record_parameter_names(model)
             watch_optimizers()
@@ -209,7 +220,7 @@ def shard_model(
     if callable(getattr(model, "save_pretrained", None)):  # transformers' own cannot save sharded tensors
         model.save_pretrained = MethodType(save_pretrained, model)
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
-    record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id))
+    record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id, pipeline))
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
     return model
 
@@ -224,11 +235,17 @@ def _stop_before_materializing(
 
 
 def _fill(
-    model: nn.Module, plan: ModelPlan, *, device: torch.device, buffers: dict[str, torch.Tensor], init_from: str | None
+    model: nn.Module,
+    plan: ModelPlan,
+    *,
+    device: torch.device,
+    buffers: dict[str, torch.Tensor],
+    init_from: str | None,
+    whole_model: Callable[[], AbstractContextManager[None]] | None,
 ) -> None:
     """Give a meta-device model its values (own init or ``init_from``); load ``init_from`` into a real one."""
     if plan.meta:
-        materialize(model, device=device, buffers=buffers, init_from=init_from)
+        materialize(model, device=device, buffers=buffers, init_from=init_from, whole_model=whole_model)
     elif init_from is not None:
         load_weights(model, init_from)
 

@@ -5,6 +5,7 @@ Public as ``torchacc.dist.fsdp`` (with TorchAcc's consolidation helpers). This m
 """
 
 from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -136,9 +137,12 @@ def wrap_fsdp(
         mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP).
         layer_classes: module classes to make units of (resolve names with ``resolve_module_classes``).
         mp_policy: FSDP2 mixed precision; defaults to the parameters' own dtype with float32 reduction.
-        reshard_after_forward: free gathered parameters after forward (True), keep them for backward
-            (False), or reshard to groups of that many ranks (int). The root follows it too (FSDP2 keeps the
-            root gathered only under its own default, None).
+        reshard_after_forward: free each unit's gathered parameters after forward (True), keep them for backward
+            (False), or reshard to groups of that many ranks (int). The root (or each of ``roots``) always keeps
+            its parameters gathered from forward to backward (FSDP2's own default for a root, as in TorchTitan):
+            backward needs them first, and FSDP2 re-gathers a unit for backward only through hooks on the
+            tensors of its output, which a root returning a plain object (no tensors) does not have. After a
+            forward without gradients (no backward follows) the root is resharded at once.
         offload_policy: e.g. ``CPUOffloadPolicy()`` to keep shards in CPU memory (CUDA runs).
         forward_prefetch: explicitly all-gather the next N units during forward (0: FSDP2's default).
         backward_prefetch: explicitly all-gather the next N units during backward (0: FSDP2's default).
@@ -161,11 +165,19 @@ def wrap_fsdp(
     for _, module in reversed(candidates):
         fully_shard(module, **kwargs)
     for root in [model] if roots is None else roots:
-        fully_shard(root, **kwargs)
+        fully_shard(root, **{**kwargs, "reshard_after_forward": None})  # None: a root keeps them gathered
+        root.register_forward_hook(_reshard_without_backward)
         # a unit prefetches the next units of its own root only (a pipeline stage's blocks)
         units = [m for _, m in candidates if any(m is sub for sub in root.modules())]
         _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
     return model
+
+
+def _reshard_without_backward(module: FSDPModule, args: Any, output: Any) -> None:
+    # A root kept gathered for backward is freed by its post-backward; a forward without gradients (evaluation,
+    # generate()) has no backward, so its parameters are freed here, as every other unit's are after forward.
+    if not torch.is_grad_enabled():
+        module.reshard()
 
 
 def _set_prefetch(units: list[nn.Module], *, forward: int, backward: int) -> None:

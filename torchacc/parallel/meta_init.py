@@ -15,6 +15,15 @@ and so every ``nn.init`` function) into a fill of the full tensor from the same 
 rank keeps its slice: the result does not depend on the world size or the device, for the cost of
 one full parameter at a time.
 
+[Note: meta init under a pipeline] A pipeline rank holds only its stages, but a single process draws the
+random values of every tensor of the whole model, in the order of its module tree: skipping the other stages'
+draws would shift every later draw. So the own init runs over the whole tree: the engine passes a context
+(``whole_model_scope`` in pipeline_stages.py) that puts the other stages' modules, still on the meta device, back in
+their places while the init runs, and ``_FullTensorRandom`` lets each random fill of a meta tensor draw into
+a temporary tensor of its shape on ``device`` that is thrown away, one tensor at a time. The generator then
+advances exactly as in one process, and this rank's tensors get one process's values; nothing of the other
+stages is ever allocated beyond one temporary tensor.
+
 [Note: meta init in place] An init may also write through an index or a view of a parameter, which DTensor
 cannot give for a sharded dimension: HF's ``init.zeros_(embedding.weight[padding_idx])`` zeroes a copy of the
 padding row, and the shard keeps its random draw. So while a module's own init runs, each of its sharded
@@ -31,6 +40,7 @@ process seeded like rank 0; each rank gets its own state back afterwards.
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -137,7 +147,12 @@ def check_materializable(model: nn.Module, init_from: str | None) -> None:
 
 
 def materialize(
-    model: nn.Module, *, device: torch.device, buffers: dict[str, torch.Tensor], init_from: str | None
+    model: nn.Module,
+    *,
+    device: torch.device,
+    buffers: dict[str, torch.Tensor],
+    init_from: str | None,
+    whole_model: Callable[[], AbstractContextManager[None]] | None = None,
 ) -> None:
     """Allocate ``model``'s (sharded) meta parameters on ``device`` and initialize them.
 
@@ -147,6 +162,9 @@ def materialize(
         buffers: the real buffer values taken before (restored after ``to_empty``).
         init_from: a consolidated ``.pth`` or an HF safetensors directory; None runs the model's own init
             (see [Note: meta init RNG]).
+        whole_model: for a model cut down to its pipeline stages, a context in which it holds the whole model's
+            modules again, the other stages' still on the meta device: the own init runs inside it (see
+            [Note: meta init under a pipeline]).
     """
     aliases = tied_names(model.named_parameters(remove_duplicate=False))
     model.to_empty(device=device)
@@ -157,7 +175,8 @@ def materialize(
     if init_from is not None:
         load_weights(model, init_from)
         return
-    with torch.no_grad(), _random_state_of_rank0(device), _FullTensorRandom():
+    whole = whole_model() if whole_model is not None else contextlib.nullcontext()
+    with torch.no_grad(), _random_state_of_rank0(device), _FullTensorRandom(device), whole:
         hf_init = _hf_init(model)
         if hf_init is not None:
             # HF marks modules initialized when post_init() ran on meta tensors (a no-op); unmark them so
@@ -234,7 +253,12 @@ _RANDOM_FILLS = frozenset(
 
 
 class _FullTensorRandom(TorchDispatchMode):
-    """Fill sharded tensors as if they were whole: see [Note: meta init RNG]."""
+    """Fill sharded tensors as if they were whole, and draw for meta tensors as if they were real: see
+    [Note: meta init RNG] and [Note: meta init under a pipeline]."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -244,5 +268,9 @@ class _FullTensorRandom(TorchDispatchMode):
             full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
             func(full, *args[1:], **kwargs)  # the same generator and arguments, on the whole tensor
             local.copy_(full[local_slices(target)])
+            return target
+        if func.overloadpacket in _RANDOM_FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            # another stage's tensor: the draws it would take, into a tensor thrown away
+            func(torch.empty(target.shape, dtype=target.dtype, device=self.device), *args[1:], **kwargs)
             return target
         return func(*args, **kwargs)

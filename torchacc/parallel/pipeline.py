@@ -8,26 +8,25 @@ original names, ``model.layers.6`` stays ``model.layers.6``), the embedding stay
 the norm and the head only with the last. So ``model.state_dict()`` on each rank holds its stages' tensors under
 the plain model's names, and checkpoints stay portable between layouts.
 
-Each stage also gets a ``StageModule``: a module holding (not copying) that stage's parts, which is what
-``torch.distributed.pipelining`` runs and what FSDP shards as a root. Its forward calls the decoder's own
-forward (so masks and rotary embeddings are built as the model builds them) with only the stage's blocks
-active: the first stage from ``input_ids``, the others from ``inputs_embeds`` (the hidden states received);
-the last stage ends with the norm and the head (its output is the logits), the others return hidden states.
+Each stage also gets a ``StageModule`` (pipeline_stages.py): a module holding (not copying) that stage's parts,
+which is what ``torch.distributed.pipelining`` runs and what FSDP shards as a root. Its forward calls the
+decoder's own forward (so masks and rotary embeddings are built as the model builds them) with only the stage's
+blocks active: the first stage from ``input_ids``, the others from ``inputs_embeds`` (the hidden states
+received), whose first active block takes the received hidden states in place of what the decoder computed from
+``inputs_embeds`` (a decoder that scales its embeddings, as Granite's, scales them once). The last stage runs
+the model's own forward, so that what follows the head (Gemma 2's soft-capping) happens too: its output is the
+logits; the others return hidden states.
 """
 
-import inspect
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 import torch.nn as nn
 
 from .._utils.tied import tied_names
 from .tp import TPPlan
 
-__all__ = ["StagePlan", "StageModule", "StageBlocks", "plan_pipeline", "split_model", "restrict_tp_plan"]
+__all__ = ["StagePlan", "plan_pipeline", "restrict_tp_plan"]
 
 _FIX_BLOCKS = (
     "set dist.fsdp.wrap_layer_cls to the class of the model's blocks (e.g. {'LlamaDecoderLayer'}), or name the "
@@ -40,7 +39,9 @@ class StagePlan:
     """The split of one model into pipeline stages (see [Note: pipeline stages])."""
 
     decoder: str
-    """The decoder's module name (``"model"``): it holds ``embed_tokens``, ``layers`` and ``norm``."""
+    """The decoder's module name (``"model"``): it holds ``embed_tokens``, ``layers`` and the final norm."""
+    norm: str
+    """The final norm's attribute of the decoder (``"norm"``; Phi's ``"final_layernorm"``)."""
     head: str
     """The output layer's module name (``"lm_head"``)."""
     num_blocks: int
@@ -90,31 +91,47 @@ def _block_list(
     return lists[0]
 
 
-def _decoder_parts(model: nn.Module, list_name: str) -> tuple[str, str]:
-    """(decoder name, head name) of a Hugging Face decoder-only model whose blocks are ``list_name``."""
+def _decoder_parts(model: nn.Module, list_name: str) -> tuple[str, str, str]:
+    """(decoder, final norm attribute, head) names of a Hugging Face decoder-only model whose blocks are ``list_name``.
+
+    The final norm is the decoder's ``norm``, or else its one child with parameters besides ``embed_tokens`` and the
+    blocks (Phi's ``final_layernorm``). What the decoder does to ``inputs_embeds`` before its blocks (Granite's scaling,
+    Phi's dropout) and what the model does after its head (Gemma 2's soft-capping) need no check: see
+    [Note: pipeline stages].
+    """
     decoder_name, _, attr = list_name.rpartition(".")
     modules = dict(model.named_modules())
     decoder = modules.get(decoder_name)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     head_name = next((n for n, m in modules.items() if m is head and head is not None), None)
-    parts = {"embed_tokens": getattr(decoder, "embed_tokens", None), "norm": getattr(decoder, "norm", None)}
-    if attr != "layers" or head_name is None or any(not isinstance(p, nn.Module) for p in parts.values()):
+    embedding = getattr(decoder, "embed_tokens", None)
+    norms = [
+        name
+        for name, child in (decoder.named_children() if decoder is not None else ())
+        if name not in ("embed_tokens", attr) and any(True for _ in child.parameters())
+    ]
+    norms = ["norm"] if "norm" in norms else norms  # others: refused below as parameters no stage holds
+    missing = [
+        what
+        for what, found in (
+            ("its blocks in a list named 'layers'", attr == "layers"),
+            ("an output layer (get_output_embeddings())", head_name is not None),
+            ("an embed_tokens embedding", isinstance(embedding, nn.Module)),
+            (
+                f"a final norm as its one other part with parameters (it has {', '.join(norms) or 'none'})",
+                len(norms) == 1,
+            ),
+        )
+        if not found
+    ]
+    if missing:
         raise ValueError(
             f"dist.pp.size > 1 splits Hugging Face decoder-only models (a *ForCausalLM whose decoder holds "
-            f"embed_tokens, layers and norm, with an output layer such as lm_head: Llama, Mistral, Qwen2, Qwen3, ...); "
-            f"{type(model).__name__} with its blocks in {list_name!r} is not one: train it without a pipeline "
-            "(dist.pp.size=1)"
+            f"embed_tokens, layers and a final norm, with an output layer such as lm_head: Llama, Mistral, Qwen2, "
+            f"Qwen3, Phi, ...); {type(model).__name__} (blocks in {list_name!r}) lacks {', '.join(missing)}: train "
+            "it without a pipeline (dist.pp.size=1)"
         )
-    try:
-        source = inspect.getsource(type(decoder).forward)
-    except (OSError, TypeError):  # no source to read (a generated class): nothing to refuse
-        source = ""
-    if re.search(r"=\s*inputs_embeds\s*\*", source):
-        raise ValueError(
-            f"dist.pp.size > 1: {type(decoder).__name__}.forward rescales inputs_embeds, which the later stages "
-            "receive already scaled; this model cannot be split into stages yet: train it with dist.pp.size=1"
-        )
-    return decoder_name, head_name
+    return decoder_name, norms[0], head_name
 
 
 def _stages_of(num_blocks: int, num_stages: int, starts: list[int]) -> tuple[tuple[int, ...], ...]:
@@ -163,8 +180,8 @@ def plan_pipeline(
             f"dist.pp.split={list(split)!r} must name blocks in increasing order, none of them the first block "
             f"({list_name}.0, which starts stage 0): each name starts the next stage"
         )
-    decoder_name, head_name = _decoder_parts(model, list_name)
-    placed = (f"{decoder_name}.embed_tokens.", f"{list_name}.", f"{decoder_name}.norm.", f"{head_name}.")
+    decoder_name, norm_name, head_name = _decoder_parts(model, list_name)
+    placed = (f"{decoder_name}.embed_tokens.", f"{list_name}.", f"{decoder_name}.{norm_name}.", f"{head_name}.")
     for name, _ in model.named_parameters():
         if not name.startswith(placed):
             raise ValueError(
@@ -177,92 +194,7 @@ def plan_pipeline(
                 f"dist.pp: {alias} is tied to {owner}, but the head lives on the last stage and the embedding on the "
                 "first; untie them (build the model with tie_word_embeddings=False) or train with dist.pp.size=1"
             )
-    return StagePlan(decoder_name, head_name, num_blocks, _stages_of(num_blocks, num_stages, starts))
-
-
-def _skip(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return hidden_states
-
-
-class StageBlocks(nn.Module):
-    """The decoder's block list on one rank: its stages' blocks under their original indices.
-
-    Iterating (and slicing, as Hugging Face's ``self.layers[: num_hidden_layers]``) yields every index of the
-    whole model: the active stage's blocks, and for the others a step that passes the hidden states through, so
-    that per-layer settings indexed by position (``config.layer_types[i]``) still find their layer.
-    """
-
-    def __init__(self, blocks: dict[int, nn.Module], num_blocks: int) -> None:
-        super().__init__()
-        for index, block in blocks.items():
-            self.add_module(str(index), block)
-        self.num_blocks = num_blocks
-        self.active: frozenset[str] = frozenset(self._modules)
-
-    def __len__(self) -> int:
-        return self.num_blocks
-
-    def __getitem__(self, index: int | slice) -> Any:
-        steps = [self._modules[str(i)] if str(i) in self.active else _skip for i in range(self.num_blocks)]
-        return steps[index]
-
-    def __iter__(self) -> Any:
-        return iter(self[:])
-
-
-class StageModule(nn.Module):
-    """One pipeline stage of a split model: its parts (shared with the model, not copied) and its forward.
-
-    Args:
-        model: the model ``split_model`` cut down.
-        plan: the ``StagePlan``.
-        index: the stage's index in the pipeline.
-    """
-
-    def __init__(self, model: nn.Module, plan: StagePlan, index: int) -> None:
-        super().__init__()
-        self.index, self.is_first, self.is_last = index, index == 0, index == plan.num_stages - 1
-        decoder = model.get_submodule(plan.decoder)
-        if self.is_first:
-            self.embed_tokens = decoder.embed_tokens
-        self.blocks = nn.ModuleDict({str(i): decoder.layers[i] for i in plan.stages[index]})
-        if self.is_last:
-            self.norm = decoder.norm
-            self.head = model.get_submodule(plan.head)
-        # not submodules: the decoder holds the other stages' parts too
-        self._decoder = [decoder]
-
-    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """``input_ids`` (first stage) or hidden states in; hidden states or (last stage) logits out."""
-        decoder = self._decoder[0]
-        layers, norm = decoder.layers, decoder.norm
-        layers.active = frozenset(self.blocks.keys())
-        if not self.is_last:
-            decoder._modules["norm"] = nn.Identity()  # the norm (if this rank has it) belongs to the last stage
-        try:
-            inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-            hidden = decoder(**inputs, use_cache=False, **kwargs)[0]
-        finally:
-            layers.active = frozenset(layers._modules)
-            decoder._modules["norm"] = norm
-        return self.head(hidden) if self.is_last else hidden
-
-
-def split_model(model: nn.Module, plan: StagePlan, *, stages: Sequence[int]) -> list[StageModule]:
-    """Cut ``model`` down, in place, to the parts of ``stages``; return their ``StageModule``s.
-
-    See [Note: pipeline stages]. Names do not change: the model's ``state_dict`` keeps the keys of the kept parts.
-    """
-    decoder = model.get_submodule(plan.decoder)
-    keep = sorted(i for s in stages for i in plan.stages[s])
-    decoder.layers = StageBlocks({i: decoder.layers[i] for i in keep}, plan.num_blocks)
-    if 0 not in stages:
-        decoder.embed_tokens = None
-    if plan.num_stages - 1 not in stages:
-        decoder.norm = nn.Identity()
-        parent, _, name = plan.head.rpartition(".")
-        setattr(model.get_submodule(parent), name, None)
-    return [StageModule(model, plan, s) for s in stages]
+    return StagePlan(decoder_name, norm_name, head_name, num_blocks, _stages_of(num_blocks, num_stages, starts))
 
 
 def restrict_tp_plan(plan: TPPlan | None, model: nn.Module) -> TPPlan | None:

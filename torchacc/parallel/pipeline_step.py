@@ -19,7 +19,8 @@ given) is on every rank of the pipeline and whose ``logits`` are on the last sta
 """
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,9 +28,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils.hooks import RemovableHandle
 
 from .layout import PipelineSchedule
-from .pipeline import StageModule
+from .pipeline_stages import StageModule
 
 __all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group", "train_step"]
 
@@ -68,6 +70,14 @@ class PipelineRuntime:
         self._num_items: torch.Tensor | None = None
         self._scale: float = 1.0
         self._losses: list[torch.Tensor] = []
+        self._step_hooks: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()
+
+    def register_step_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        """Call ``hook(loss)`` after each ``step`` (each ``train_step``) with the batch's loss, as ``step`` returns
+        it (a device tensor, not read); the metrics take the training loss from here. ``handle.remove()`` ends it."""
+        handle = RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = hook
+        return handle
 
     @property
     def model(self) -> nn.Module:
@@ -113,7 +123,10 @@ class PipelineRuntime:
         # the first step also runs the stages once to learn the shapes: the last losses are this batch's
         loss = torch.stack(self._losses[-self.microbatches :]).sum() if self.has_last else None
         self._losses = []
-        return self._share(loss)
+        loss = self._share(loss)
+        for hook in list(self._step_hooks.values()):
+            hook(loss)
+        return loss
 
     def _share(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss on every rank of the pipeline."""

@@ -11,12 +11,12 @@ import torch
 import torch.nn as nn
 
 from .accelerated import accelerated_state
-from .context import CPPlan, resolve_context_parallel
+from .context_plan import CPPlan, resolve_context_parallel
 from .fsdp import check_units, is_wrapped, resolve_module_classes
 from .layout import Layout
 from .meta_init import check_materializable, has_meta_params
 from .pipeline import StagePlan, plan_pipeline
-from .tp import TPPlan, resolve_tp_plan
+from .tp import STYLES, TPPlan, resolve_tp_plan
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -70,6 +70,8 @@ def plan_model(
     tp = None
     if layout.dims.tp > 1:
         tp = resolve_tp_plan(model, layout.tp_plan, size=layout.dims.tp, sequence_parallel=layout.sequence_parallel)
+        if layout.compile:
+            _check_compile_with_tp(model, tp, wrap, size=layout.dims.tp)
     pp = None
     if layout.pipeline is not None:
         schedule = layout.pipeline
@@ -88,3 +90,23 @@ def plan_model(
                 f"(first has shape {tuple(foreign[0].shape)}); build the optimizer from model.parameters()"
             )
     return ModelPlan(frozenset(wrap), frozenset(gc), meta, tp, pp, cp)
+
+
+def _check_compile_with_tp(model: nn.Module, tp: TPPlan, blocks: set[type[nn.Module]], *, size: int) -> None:
+    """Refuse compiled blocks under a TP plan that also splits a layer outside them (Llama's own plan: lm_head).
+
+    That shape fails in the first backward inside DTensor's ``Redistribute.backward``, which is handed a plain
+    gradient instead of a DTensor (torch 2.13, gloo; the cause is not pinned down); a plan that splits only
+    layers inside the compiled blocks trains like one process.
+    """
+    inside = {name for name, m in model.named_modules() if isinstance(m, tuple(blocks))}
+    splits = [name for name, style in tp.styles.items() if style in STYLES[:5]]
+    outside = [n for n in splits if not any(n.startswith(f"{block}.") for block in inside)]
+    if outside and len(outside) < len(splits):
+        raise ValueError(
+            f"compute.compile=True with dist.tp.size={size}: dist.tp.plan splits {', '.join(outside)} outside the "
+            "compiled dist.fsdp.wrap_layer_cls blocks as well as layers inside them, which fails in the first "
+            "backward (DTensor's Redistribute.backward gets a plain gradient); keep only the layers inside the "
+            "blocks in dist.tp.plan (e.g. {'model.layers.*.mlp.down_proj': 'rowwise', ...} without "
+            f"{outside[-1]!r}), or set compute.compile=False"
+        )
