@@ -245,8 +245,7 @@ class ShardedDataLoader:
             return None
 
     def __len__(self) -> int:
-        """The batches of a full epoch at this number of ranks, also after a resume (schedules sized by it stay
-        right); the batches a resumed pass still yields are :attr:`num_batches_remaining`."""
+        """A full epoch's batches at this number of ranks, also after a resume: see :attr:`num_batches_remaining`."""
         self._take_user_epoch()
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableDistributedSampler):
