@@ -39,6 +39,7 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/capacity.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/setup_time.py
 	$(PY) benchmarks/consolidate.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

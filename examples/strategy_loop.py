@@ -101,7 +101,8 @@ def main() -> None:
 
     strategy.save_model(model, None, os.path.join(args.out, "hf"))
     if strategy.is_global_zero:
-        print(f"done at step {strategy.global_step}; checkpoints: {sorted(os.listdir(ckpt_dir))}")
+        kept = sorted(name for name in os.listdir(ckpt_dir) if not name.startswith("."))  # not the writer's claim
+        print(f"done at step {strategy.global_step}; checkpoints: {kept}")
         metrics_dir = strategy.config.metrics.dir
         print(f"metrics: {os.path.join(metrics_dir, 'metrics.jsonl')} (plot: torchacc plot {metrics_dir})")
     strategy.teardown()

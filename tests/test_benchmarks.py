@@ -44,3 +44,16 @@ def test_plan_accuracy_quick():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| llama tp=2 | 2 |" in proc.stdout and "| yes |" in proc.stdout, proc.stdout
     assert "### The planner's per-block scaling against a full fake step (CUDA plan)" in proc.stdout
+
+
+def test_checkpoint_quick(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--quick", "--workdir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd + ["--out", str(tmp_path / "checkpoint.json")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| mode | MB per rank | rounds | in save s | in wait s | blocked s |" in proc.stdout, proc.stdout
+    for mode in ("blocking", "background", "no save"):
+        assert f"| {mode} |" in proc.stdout, proc.stdout
+    assert os.listdir(tmp_path) == ["checkpoint.json"], "the checkpoints were not deleted"

@@ -26,8 +26,8 @@ from ._utils.version import VERSION
 from .checkpoint.dcp import save_checkpoint
 from .checkpoint.dcp_load import latest_checkpoint, load_checkpoint, resume_latest
 from .checkpoint.files import load, save
+from .checkpoint.hf import export_hf
 from .checkpoint.offline.consolidate import consolidate
-from .checkpoint.offline.hf_export import export_hf
 from .checkpoint.offline.reshard import reshard_checkpoint
 from .checkpoint.optimizer import load_optim_state_dict, optim_state_dict
 from .config import (

@@ -7,6 +7,7 @@ Examples::
     torchacc consolidate --ckpt-dir ckpt --format safetensors --out model.safetensors
     torchacc consolidate --ckpt-dir ckpt --format hf --hf-config cfg.json --out gpt2-hf
     torchacc consolidate --ckpt-dir ckpt --reshard 4 --out ckpt-4
+    torchacc consolidate --ckpt-dir run --format safetensors          # a save_checkpoint root (its latest)
     torchacc plot runs                                                    # runs/metrics.jsonl -> runs/metrics.png
     torchacc plan --model gpt2-dir --gpus 64 --seq-len 4096 --micro-batch 1 --bf16   # layouts that fit, fastest first
     torchacc --version
@@ -17,12 +18,14 @@ its sub-parser, and one that runs it and returns the paths it wrote.
 """
 
 import argparse
+import glob
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 from ._utils.version import VERSION
-from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate
+from .checkpoint.directory import require_latest
+from .checkpoint.offline.consolidate import MODEL_PATTERN, OPTIM_PATTERN, consolidate, consolidate_dcp
 from .checkpoint.offline.reshard import reshard_checkpoint
 from .planning.command import PLAN_HELP, add_plan_arguments, run_plan
 
@@ -36,7 +39,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_consolidate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt-dir", required=True, help="the directory holding rank-*-of-*-{model,optim}.pth")
+    p.add_argument(
+        "--ckpt-dir", required=True, help="rank-*-of-*-{model,optim}.pth files, or a save_checkpoint root or checkpoint"
+    )
     p.add_argument("--pattern", help=f"shard file glob for --type model or optimizer (default {MODEL_PATTERN!r})")
     p.add_argument("--type", choices=["model", "optimizer", "all"], default="model")
     p.add_argument("--reshard", type=int, metavar="N", help="write N rank files instead of one consolidated file")
@@ -68,7 +73,14 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     sync_files = not args.no_sync
     if not os.path.isdir(ckpt):
         raise ValueError(f"--ckpt-dir {ckpt!r} is not a directory")
+    rank_files = args.pattern or glob.glob(os.path.join(ckpt, MODEL_PATTERN))
+    native = None if rank_files else _native_checkpoint(ckpt)
     if args.reshard is not None:
+        if native is not None:
+            raise ValueError(
+                f"--ckpt-dir {ckpt!r} holds a save_checkpoint checkpoint, which loads at any world size as it is "
+                "(torchacc.load_checkpoint reshards); --reshard is for rank-*-of-*-model.pth files"
+            )
         if args.format != "torch":
             raise ValueError("--reshard writes torch rank files; drop --format or use --format torch")
         out = args.out or os.path.join(ckpt, f"resharded-{args.reshard}")
@@ -79,13 +91,19 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
         raise ValueError("--type all uses the default patterns and output names; drop --pattern and --out")
     if args.type != "model" and args.format != "torch":
         raise ValueError(f"--format {args.format} holds model weights only; use --format torch for optimizer state")
+    if not rank_files and native is None:
+        raise ValueError(_neither(ckpt))
     sections = ["model", "optimizer"] if args.type == "all" else [args.type]
     written = []
     for section in sections:
         pattern = os.path.join(ckpt, args.pattern or (MODEL_PATTERN if section == "model" else OPTIM_PATTERN))
-        if args.format == "hf":
+        if native is not None and args.format != "hf":
+            default = {"model": "consolidated.pth", "optimizer": "consolidated_optim.pth"}[section]
+            out = args.out or os.path.join(ckpt, "model.safetensors" if args.format == "safetensors" else default)
+            consolidate_dcp(native, section=section, out=out, fmt=args.format, sync_files=sync_files)
+        elif args.format == "hf":
             out = args.out or os.path.join(ckpt, "hf")
-            _export_hf(args, ckpt, out, pattern=os.path.basename(pattern), verify=verify)
+            _export_hf(args, ckpt, out, native, pattern=os.path.basename(pattern), verify=verify)
         else:
             default = {"model": "consolidated.pth", "optimizer": "consolidated_optim.pth"}[section]
             if args.format == "safetensors":
@@ -105,21 +123,38 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     return written
 
 
-def _export_hf(args: argparse.Namespace, ckpt: str, out: str, *, pattern: str, verify: bool) -> None:
-    """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
-    from .checkpoint.offline.hf_export import _SAVE_CONFIG_HINT, _config_problem, _require_transformers, export_hf
+def _native_checkpoint(ckpt: str) -> str | None:
+    """The ``save_checkpoint`` checkpoint ``ckpt`` is (or whose ``latest`` it holds), or None."""
+    return ckpt if os.path.isfile(os.path.join(ckpt, ".metadata")) else require_latest(ckpt)
 
-    _require_transformers("--format hf")
+
+def _neither(ckpt: str) -> str:
+    names = sorted(os.listdir(ckpt))
+    found = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "") if names else "nothing"
+    return (
+        f"no checkpoint files match {os.path.join(ckpt, MODEL_PATTERN)!r}, and --ckpt-dir {ckpt!r} is no "
+        f"save_checkpoint checkpoint either (no .metadata, no 'latest'); it holds {found}. Pass the directory of the "
+        "rank files (or --pattern GLOB), or a save_checkpoint root or one of its checkpoint-N directories"
+    )
+
+
+def _export_hf(
+    args: argparse.Namespace, ckpt: str, out: str, native: str | None, *, pattern: str, verify: bool
+) -> None:
+    """``--format hf``: check for transformers and the model config first, naming the flags that fix them."""
+    from .checkpoint.hf import SAVE_CONFIG_HINT, config_problem, export_hf, require_transformers
+
+    require_transformers("--format hf")
     if args.hf_config is None:
-        problem = _config_problem(ckpt, f"--ckpt-dir {ckpt!r} and no --hf-config was given")
+        problem = config_problem(ckpt, f"--ckpt-dir {ckpt!r} and no --hf-config was given")
     else:
-        problem = _config_problem(args.hf_config, f"--hf-config {args.hf_config!r}")
+        problem = config_problem(args.hf_config, f"--hf-config {args.hf_config!r}")
     if problem:
         raise ValueError(
             f"--format hf needs the model's config.json: {problem}; pass --hf-config PATH (a config.json or a "
-            f"directory holding one), {_SAVE_CONFIG_HINT}"
+            f"directory holding one), {SAVE_CONFIG_HINT}"
         )
-    export_hf(ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
+    export_hf(native or ckpt, out, args.hf_config or ckpt, pattern=pattern, verify=verify)
 
 
 # name -> (help, add its arguments, run it and return the paths written)

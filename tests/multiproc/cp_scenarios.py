@@ -129,6 +129,8 @@ def checkpoint_cp2(out: Path) -> dict:
     torchacc.save_checkpoint(out / "ckpt-cp2", model=model, optimizer=optimizer, dataloader=loader)
     saved = snapshot(model, optimizer)
     third = next(batches)
+    if torchacc.dist.rank() == 0:  # for the FSDP 4 job, which takes the same third step
+        torch.save(third["index"], out / "third.pt")
     straight_loss = step(model, optimizer, third)
     straight = snapshot(model, optimizer)
     model, loader, optimizer = fresh(cp_config(), seed=5)
@@ -166,12 +168,17 @@ def four_rank_suite(out: str) -> dict:
     model = torchacc.accelerate(tiny_llama(seed=7), config=cp_config(fsdp=4, cp=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torchacc.load_checkpoint(Path(out) / "ckpt-cp2", model=model, optimizer=optimizer)
+    loaded = snapshot(model, optimizer)
+    dataset = token_dataset(32)  # every rank takes CP 2's third batch whole: the mean gradient is its gradient
+    ids = torch.stack([dataset[i]["input_ids"] for i in torch.load(Path(out) / "third.pt").tolist()])
+    step(model, optimizer, {"input_ids": ids, "labels": ids})
     return {
         "fsdp2_cp2": train(cp_config(fsdp=2)),
         "fsdp2_cp2_qwen2": train(cp_config(fsdp=2, kind="qwen2"), kind="qwen2"),
         "cp2_tp2": train(cp_config(tp=2), num_key_value_heads=4),
         "dp2_cp2_gc": train(cp_config(fsdp=1, gc=True)),  # HSDP over (dp, fsdp x cp); recomputed attention
-        "fsdp4_loaded": snapshot(model, optimizer),
+        "fsdp4_loaded": loaded,
+        "fsdp4_resumed": snapshot(model, optimizer),
     }
 
 

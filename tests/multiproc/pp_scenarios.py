@@ -94,22 +94,34 @@ def train(config: torchacc.Config, kind: str = "llama", *, save: str | None = No
     return result
 
 
-def resume(config: torchacc.Config, out: str, *, step: bool = True) -> dict:
-    """A fresh model (other weights) loads the step-2 checkpoint and (with ``step``) runs step 3 on the next batch."""
+def resume(config: torchacc.Config, out: str, *, samples: list[int] | None = None) -> dict:
+    """A fresh model (other weights) loads the step-2 checkpoint and runs step 3 on the next batch of the loader,
+    or on ``samples`` without one (this rank's part of the third global batch, at another layout)."""
     model = model_of("llama", seed=99)
     loader = DataLoader(token_dataset(32), batch_size=4)
     model, loader = torchacc.accelerate(model, loader, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    torchacc.load_checkpoint(f"{out}/dcp", model=model, optimizer=optimizer, dataloader=loader)
+    position = {"dataloader": loader} if samples is None else {}
+    torchacc.load_checkpoint(f"{out}/dcp", model=model, optimizer=optimizer, **position)
     loaded = full_state(model)
-    if not step:
-        return {"loaded": loaded, "optim": optim_full(model, optimizer)}
-    batch = next(iter(loader))
+    loaded_optim = optim_full(model, optimizer)
+    if samples is None:
+        batch = next(iter(loader))
+    else:
+        data = token_dataset(32)
+        batch = {"input_ids": torch.stack([data[i]["input_ids"] for i in samples]), "index": torch.tensor(samples)}
+        batch["labels"] = batch["input_ids"]
     loss = torchacc.train_step(model, batch_of(batch))
     torchacc.clip_grad_norm_(model.parameters(), MAX_NORM)
     optimizer.step()
     optimizer.zero_grad()
-    return {"loaded": loaded, "loss": loss.item(), "index": batch["index"].tolist(), "state": full_state(model)}
+    return {
+        "loaded": loaded,
+        "optim": loaded_optim,
+        "loss": loss.item(),
+        "index": batch["index"].tolist(),
+        "state": full_state(model),
+    }
 
 
 def refusals() -> dict:
@@ -182,14 +194,20 @@ def two_rank_suite(out: str) -> dict:
 
 def four_rank_suite(out: str) -> dict:
     os.makedirs(Path(out) / "shards", exist_ok=True)
+    meta = meta_init(pp_config(fsdp=2))  # first, as in the two-rank suite
+    trained = train(pp_config(fsdp=2), save=out)
+    batches: list = [None] * torchacc.dist.world_size()
+    torch.distributed.all_gather_object(batches, trained["indices"][-1])
+    third = sorted({i for batch in batches for i in batch})  # the global batch of step 3: 8 samples
+    rank = torchacc.dist.rank()
     return {
-        "meta_pp2_fsdp2_rank_seeds": meta_init(pp_config(fsdp=2)),
-        "pp2_fsdp2_llama_1f1b": train(pp_config(fsdp=2), save=out),
+        "meta_pp2_fsdp2_rank_seeds": meta,
+        "pp2_fsdp2_llama_1f1b": trained,
         "pp2_fsdp2_qwen2_interleaved": train(
             pp_config(kind="qwen2", fsdp=2, schedule="Interleaved1F1B", stages_per_rank=2), kind="qwen2"
         ),
         "pp2_tp2_llama": train(pp_config(tp=2)),
         "pp2_dp2_llama_gpipe": train(pp_config(schedule="GPipe")),  # replicas of each stage (dist.dp.size=2)
         "resume_pp2_fsdp2": resume(pp_config(fsdp=2), out),
-        "resume_fsdp4": resume(pp_config(pp=1, fsdp=4), out, step=False),
+        "resume_fsdp4": resume(pp_config(pp=1, fsdp=4), out, samples=third[2 * rank : 2 * rank + 2]),
     }

@@ -189,3 +189,51 @@ def test_export_hf_without_a_config_or_transformers_raises_with_the_fix(saved, t
     with pytest.raises(ImportError, match=r"export_hf needs transformers.*pip install 'torchacc\[hf\]'"):
         torchacc.export_hf(shards, tmp_path / "hf", shards)
     assert not (tmp_path / "hf").exists()
+
+
+# ---- a save_checkpoint folder, in every format (issue 24 item 5) ----------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "hf"])
+def test_cli_reads_a_save_checkpoint_root_in_every_format(saved, tmp_path, fmt):
+    out, results = saved
+    gathered = results[0]["gathered"]
+    target = tmp_path / "out"
+    args = ["consolidate", "--ckpt-dir", str(out / "dcp"), "--format", fmt, "--out", str(target), "--quiet"]
+    if fmt == "hf":
+        tiny_gpt2().config.save_pretrained(tmp_path / "cfg")
+        args += ["--hf-config", str(tmp_path / "cfg")]
+    assert main(args) == 0
+    if fmt == "torch":
+        state = torch.load(target, weights_only=True)["model"]
+    elif fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(target)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        state = {
+            **AutoModelForCausalLM.from_pretrained(target).state_dict(),
+            "transformer.marker": gathered["transformer.marker"],
+        }
+    assert state.keys() == gathered.keys()
+    assert all(torch.equal(state[k], v) for k, v in gathered.items())
+
+
+def test_cli_consolidates_the_optimizer_of_a_save_checkpoint(saved, tmp_path):
+    out, results = saved
+    target = tmp_path / "optim.pth"
+    checkpoint = out / "dcp" / "checkpoint-1"
+    assert main(["consolidate", "--ckpt-dir", str(checkpoint), "--type", "optimizer", "--out", str(target)]) == 0
+    optim, expected = torch.load(target, weights_only=True)["optimizer"], results[0]["full_optim"]
+    assert optim["param_groups"] == expected["param_groups"]
+    for name, values in expected["state"].items():
+        assert all(torch.equal(optim["state"][name][k], v) for k, v in values.items()), name
+
+
+def test_cli_names_what_a_folder_of_neither_kind_holds(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert main(["consolidate", "--ckpt-dir", str(tmp_path), "--format", "safetensors"]) == 1
+    stderr = one_line_error(capsys)
+    assert "is no save_checkpoint checkpoint either" in stderr and "it holds notes.txt" in stderr

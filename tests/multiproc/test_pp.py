@@ -215,17 +215,23 @@ def test_a_pipeline_checkpoint_resumes_exactly(four):
             assert torch.equal(after["state"][name], value), name
 
 
-def test_a_pipeline_checkpoint_loads_at_fsdp4_and_in_one_process(four, out):
+def test_a_pipeline_checkpoint_loads_and_resumes_at_fsdp4_and_in_one_process(four, out):
     trained = [r["pp2_fsdp2_llama_1f1b"] for r in four]
     saved, saved_optim = _union(trained, "saved"), _union(trained, "saved_optim")
     assert len(saved_optim) == 3 * len(saved)  # step, exp_avg, exp_avg_sq of every parameter
+    straight = _union(trained, "state")  # after the third step
+    third = sorted({i for r in trained for i in r["indices"][-1]})  # its global batch
     for result in four:
         loaded = result["resume_fsdp4"]
         assert loaded["loaded"].keys() == saved.keys()
         assert all(torch.equal(loaded["loaded"][k], v) for k, v in saved.items())
         assert loaded["optim"].keys() == saved_optim.keys()
         assert all(torch.equal(loaded["optim"][k], v) for k, v in saved_optim.items())
-    from pp_scenarios import LR, model_of
+    # FSDP 4 resumes the loader on the same global batch, and its third step is the pipeline's
+    assert sorted(i for r in four for i in r["resume_fsdp4"]["index"]) == third
+    worst = max((four[0]["resume_fsdp4"]["state"][k] - v).abs().max().item() for k, v in straight.items())
+    assert worst < TOL, worst
+    from pp_scenarios import LR, MAX_NORM, model_of
 
     model = model_of("llama", seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -233,6 +239,14 @@ def test_a_pipeline_checkpoint_loads_at_fsdp4_and_in_one_process(four, out):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     state = torchacc.optim_state_dict(model, optimizer)["state"]
     assert all(torch.equal(state[k.rpartition("/")[0]][k.rpartition("/")[2]], v) for k, v in saved_optim.items())
+    # one process resumes too: the third step on the same global batch
+    data = token_dataset(32)
+    ids = torch.stack([data[i]["input_ids"] for i in third])
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in straight.items())
+    assert worst < TOL, worst
 
 
 def test_the_seed_per_rank_files_of_a_pipeline_consolidate_offline(four, out):

@@ -93,3 +93,12 @@ def test_plain_optimizer_state_dict_round_trip_resumes_exactly_under_tp(four, tw
         lines = result["seed_lines"]
         assert_equal(lines["resumed"]["model"], lines["straight"]["model"])
         assert_equal(lines["resumed"]["optim"], lines["straight"]["optim"])
+
+
+def test_export_hf_of_the_live_tp_model_reloads_to_equal_logits(out, two):
+    import tp_dcp_scenarios as s
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "tp2-export")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=s.BATCH).logits, two[0]["logits"], rtol=0, atol=1e-5)

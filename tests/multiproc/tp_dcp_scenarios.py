@@ -167,5 +167,8 @@ def two_rank_suite(out: str) -> dict[str, Any]:
     torchacc.resume_latest(out_dir / "ckpt-one", model, optimizer)
     result["tp2"] = snapshot(model, optimizer)
     result["placements"] = placements(model)
+    torchacc.export_hf(model, out_dir / "tp2-export")  # the live model, every rank (issue 24 item 4)
+    with torch.no_grad():
+        result["logits"] = model(input_ids=BATCH).logits
     result["seed_lines"] = seed_optimizer_lines(out_dir, llama_config(tp=2))
     return result

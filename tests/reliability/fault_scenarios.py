@@ -15,7 +15,7 @@ from _models import TinyNet, tiny_gpt2
 from torch.distributed.tensor import DTensor
 
 import torchacc
-import torchacc.checkpoint._dir
+import torchacc.checkpoint.directory
 
 _REAL_SAVE = torch.save
 
@@ -64,7 +64,7 @@ def killed_save(out: str, point: str) -> None:
     elif point == f"rank{rank}-before-rename":
         inject(os, "replace", kill, when=_is_staging)
     elif point == f"rank{rank}-before-latest":
-        inject(torchacc.checkpoint._dir, "atomic_write_text", kill)
+        inject(torchacc.checkpoint.directory, "atomic_write_text", kill)
     try:
         torchacc.save_checkpoint(directory, model=model, optimizer=optimizer, extra={"step": 2})
     except Exception as exc:
@@ -184,7 +184,8 @@ def rank_errors(out: str) -> dict[str, Any]:
     dcp_fs.FileSystemWriter.prepare_local_plan = real_prepare
     results["checkpoint_below_a_file"] = _attempt(lambda: torchacc.save_checkpoint(blocker / "ckpt", model=model))
     torchacc.dist.barrier()
-    results["checkpoint_leftovers"] = sorted(n for n in os.listdir(directory) if n.startswith("."))
+    leftovers = (".incomplete", ".replaced")  # staging directories; the writer's claim (a dot file) stays
+    results["checkpoint_leftovers"] = sorted(n for n in os.listdir(directory) if n.endswith(leftovers))
     results["latest"] = torchacc.latest_checkpoint(directory)
 
     first = directory / "checkpoint-1"

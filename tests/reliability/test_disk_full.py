@@ -14,8 +14,8 @@ from _faults import disk_full, inject, raising
 from _models import TinyNet
 
 import torchacc
-import torchacc.checkpoint._checksums
-import torchacc.checkpoint._dir
+import torchacc.checkpoint.directory
+import torchacc.checkpoint.storage
 from torchacc._utils.fs import atomic_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -86,7 +86,7 @@ def test_save_checkpoint_fails_cleanly_at_every_stage(checkpointed, stage, monke
         inject(dcp_fs.FileSystemWriter, "finish", raising(lambda: disk_full(staging / ".metadata.tmp")), patch=patch)
     else:
         full = raising(lambda: disk_full(staging / "checksums.json"))
-        inject(torchacc.checkpoint._checksums, "atomic_write_text", full, patch=patch)
+        inject(torchacc.checkpoint.storage, "atomic_write_text", full, patch=patch)
     with pytest.raises(
         RuntimeError,
         match=rf"save_checkpoint\('{directory}'\) failed: .*no space left on the "
@@ -108,7 +108,7 @@ def test_disk_full_while_moving_latest_names_the_pointer(checkpointed, monkeypat
         raise disk_full()
 
     monkeypatch.setattr(
-        torchacc.checkpoint._dir, "atomic_write_text", lambda path, text: atomic_write(path, partial_then_full)
+        torchacc.checkpoint.directory, "atomic_write_text", lambda path, text: atomic_write(path, partial_then_full)
     )
     with pytest.raises(
         RuntimeError,

@@ -17,8 +17,8 @@ from _faults import inject, kill_self, launch_failing, run_forked
 from _models import TinyNet
 
 import torchacc
-import torchacc.checkpoint._checksums
-import torchacc.checkpoint._dir
+import torchacc.checkpoint.directory
+import torchacc.checkpoint.storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -89,9 +89,9 @@ def _is_latest(src, dst, *args, **kwargs) -> bool:
 CHECKPOINT_POINTS = {
     "mid-data-write": lambda: inject(dcp_fs, "_write_item", kill_self, nth=3),
     "before-metadata": lambda: inject(dcp_fs.FileSystemWriter, "finish", kill_self),
-    "mid-checksums": lambda: inject(torchacc.checkpoint._checksums, "file_crc32", kill_self),
+    "mid-checksums": lambda: inject(torchacc.checkpoint.storage, "file_crc32", kill_self),
     "before-rename": lambda: inject(os, "replace", kill_self, when=_is_staging),
-    "after-rename-before-latest": lambda: inject(torchacc.checkpoint._dir, "atomic_write_text", kill_self),
+    "after-rename-before-latest": lambda: inject(torchacc.checkpoint.directory, "atomic_write_text", kill_self),
     "mid-latest-write": lambda: inject(os, "replace", kill_self, when=_is_latest),
 }
 
@@ -111,8 +111,14 @@ def resumed_state(directory: Path) -> tuple[dict, dict | None]:
     return model.state_dict(), extra
 
 
-@pytest.mark.parametrize("point", CHECKPOINT_POINTS)
-def test_save_checkpoint_killed(tmp_path, point):
+# A save in the background is killed in its thread (the writing, the checksums) or in wait() (the rest).
+BACKGROUND_POINTS = ["mid-data-write", "before-metadata", "mid-checksums", "after-rename-before-latest"]
+
+
+@pytest.mark.parametrize(
+    "point, blocking", [(p, True) for p in CHECKPOINT_POINTS] + [(p, False) for p in BACKGROUND_POINTS]
+)
+def test_save_checkpoint_killed(tmp_path, point, blocking):
     directory = tmp_path / "ckpt"
     model, optimizer = trained(0)
     torchacc.save_checkpoint(directory, model=model, optimizer=optimizer, extra={"step": 1})
@@ -121,7 +127,14 @@ def test_save_checkpoint_killed(tmp_path, point):
     def killed_save():
         CHECKPOINT_POINTS[point]()
         next_model, next_optimizer = trained(1)
-        torchacc.save_checkpoint(directory, model=next_model, optimizer=next_optimizer, extra={"step": 2})
+        extra = {"step": 2}
+        handle = torchacc.save_checkpoint(
+            directory, model=next_model, optimizer=next_optimizer, extra=extra, blocking=blocking
+        )
+        if not blocking:
+            next_model(torch.randn(4, 16)).sum().backward()  # training goes on while the files are written
+            next_optimizer.step()
+            handle.wait()
 
     assert run_forked(killed_save) == signal.SIGKILL
     assert torchacc.latest_checkpoint(directory) == str(directory / "checkpoint-1")

@@ -300,7 +300,8 @@ def test_same_world_resume_matches_uninterrupted_run(shuffle: bool, drop_last: b
         after = _sharded(n, num_replicas, rank, shuffle=shuffle, drop_last=drop_last)
         after.load_state_dict(state)
         resumed_epoch = 2 if stop == "last_batch" else 1
-        assert len(after) == len(expected[resumed_epoch]) - (consumed if stop == "mid_epoch" else 0)
+        assert after.num_batches_remaining == len(expected[resumed_epoch]) - (consumed if stop == "mid_epoch" else 0)
+        assert len(after) == per_epoch  # a full epoch's count, also while the resumed pass is shorter
         rest = _collect(after)
         if stop == "last_batch":  # a finished epoch is saved as the start of the next one
             assert state["epoch"] == 2 and state["batches_consumed"] == 0
@@ -358,12 +359,13 @@ def _change_world(n: int, old: int, new: int, consumed: int, **kwargs) -> tuple[
     for rank in range(new):
         loader = _sharded(n, new, rank, **kwargs)
         loader.load_state_dict(state)
-        num_batches = len(loader)
-        resumed.append(_collect(loader))
-        assert len(resumed[-1]) == num_batches
+        num_batches = loader.num_batches_remaining
         fresh = _sharded(n, new, rank, **kwargs)
         fresh.set_epoch(2)
-        assert len(loader) == len(fresh)
+        assert len(loader) == len(fresh)  # a full epoch at this world size, not the rest of the resumed one
+        resumed.append(_collect(loader))
+        assert len(resumed[-1]) == num_batches
+        assert len(loader) == len(fresh) == loader.num_batches_remaining
         assert _collect(loader) == _collect(fresh)  # the next pass is a full epoch 2
     return taken, resumed
 
@@ -513,7 +515,7 @@ def test_shard_false_resume_reads_past_consumed_batches() -> None:
     assert state == {"version": 1, "sharded": False, "epoch": 1, "batches_consumed": 2}
     resumed = make()
     resumed.load_state_dict(state)
-    assert len(resumed) == 3
+    assert resumed.num_batches_remaining == 3 and len(resumed) == 5
     assert _collect(resumed) == expected[2:]
     assert resumed.epoch == 2 and len(resumed) == 5
     with pytest.raises(ValueError, match=r"saved from a sharded loader \(shard=True\) but this is an unsharded"):
@@ -582,10 +584,12 @@ def test_resume_mid_epoch_then_sampler_set_epoch_idiom(num_replicas: int) -> Non
         after = _sharded(n, num_replicas, rank)
         after.load_state_dict(state)
         after.sampler.set_epoch(state["epoch"])  # the saved epoch keeps the position, as loader.set_epoch does
-        assert len(after) == len(expected[stop_epoch]) - consumed
+        assert after.num_batches_remaining == len(expected[stop_epoch]) - consumed
+        assert len(after) == len(expected[stop_epoch])
         batches = iter(after)
         first = next(batches).tolist()
         assert after.state_dict() == {**state, "batches_consumed": consumed + 1}
+        assert after.num_batches_remaining == len(expected[stop_epoch]) - consumed - 1  # counts down in the pass
         assert [first] + [batch.tolist() for batch in batches] == expected[stop_epoch][consumed:]
         for epoch in range(stop_epoch + 1, 5):
             after.sampler.set_epoch(epoch)

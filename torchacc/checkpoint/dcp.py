@@ -1,28 +1,12 @@
-"""The native sharded checkpoint on torch.distributed.checkpoint: saving (``save_checkpoint``); loading and
-resuming are in ``dcp_load.py``.
+"""Saving torchacc checkpoints on torch.distributed.checkpoint: ``save_checkpoint``, in the foreground or not.
 
-Every rank writes its own shards in parallel, and a checkpoint loads at any world size (DCP
-reshards DTensors on load). ``resume_latest`` is the one-line restart. Layout of ``directory``::
+Every rank writes its own shards in parallel (``writing.py``), and a checkpoint loads at any world size (DCP
+reshards DTensors on load; ``dcp_load.py``). Layout of a root: ``checkpoint-1/``, ``checkpoint-2/`` (DCP
+files, ``.metadata``, ``checksums.json``, the marker), ``.checkpoint-3.incomplete/`` while written, ``latest``
+(the newest complete tag) and the writer's claim; see the notes in ``directory.py``.
 
-    checkpoint-1/        complete checkpoints (DCP files + .metadata + checksums.json)
-    checkpoint-2/
-    .checkpoint-3.incomplete/   being written; never loaded, removed by the next save
-    latest               the tag of the newest complete checkpoint, replaced atomically
-
-[Note: checkpoint atomicity] A checkpoint is written under ``.<tag>.incomplete``; once every rank has
-finished, its checksums are recorded (see [Note: checkpoint checksums] in ``torchacc.checkpoint._checksums``), it
-is renamed to ``<tag>``, and only then is ``latest`` moved to it. A crash, even SIGKILL, at any point
-leaves ``latest`` naming a complete checkpoint. Re-saving an existing tag first moves the old one to
-``.<tag>.replaced``, which ``latest_checkpoint`` falls back to until the new one is in place. A failed
-save (a full disk, a directory one rank cannot write) raises on every rank and removes its staging
-directory; leftovers of a killed save are removed (or a ``.replaced`` one restored) by the next save.
-Only one job may save into a directory at a time.
-
-[Note: per-rank extra] DCP stores one copy of each non-tensor entry, so ``extra`` is kept under one
-key per rank (``extra/rank-<r>``): every rank gets back the value it saved (its own RNG states, say).
-Loaded at a larger world size, the ranks the checkpoint did not have get rank 0's ``extra``.
-Non-tensor entries are encoded so that loading them runs no code (see [Note: safe loading] in
-``torchacc.checkpoint._safe_load``).
+[Note: per-rank extra] DCP keeps one copy of each non-tensor entry, so ``extra`` and the random states are
+kept under one key per rank (``extra/rank-<r>``, ``rng/rank-<r>``): every rank gets back what it saved.
 
 [Note: pipeline checkpoints] Under pipeline parallelism each rank saves its stages' tensors under the plain
 model's names, and DCP puts them together: the checkpoint holds the whole model, and loads at any layout. The
@@ -31,28 +15,26 @@ names in stage order), and a pipelined model loading a checkpoint takes its own 
 """
 
 import os
-import shutil
-from collections.abc import Callable
+import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from .._utils.fs import describe_os_error
-from ..data import ShardedDataLoader
 from ..distributed import env
 from ..distributed.collectives import broadcast, raise_on_any_rank
 from ..parallel.accelerated import accelerated_state
-from . import _checksums, _dir
-from ._safe_load import encode
+from . import directory, storage
 from .optimizer import optim_state_dict
+from .rng import get_rng_state
+from .writing import save_dcp, wait_for_save
 
-__all__ = ["save_checkpoint", "save_dcp", "write_staging", "pipeline_group_of", "FORMAT", "LATEST"]
+__all__ = ["save_checkpoint", "save_state", "layout_of", "pipeline_group_of", "FORMAT", "LATEST"]
 
-LATEST = _dir.LATEST
+LATEST = directory.LATEST
 FORMAT = "torchacc-dcp/2"  # 1: non-tensor entries pickled, one extra for all ranks
 
 
@@ -62,73 +44,106 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
-    dataloader: ShardedDataLoader | None = None,
+    dataloader: Any = None,
     extra: dict[str, Any] | None = None,
     tag: str | None = None,
-) -> str:
-    """Save model, optimizer, scheduler, dataloader position and ``extra`` as one sharded checkpoint.
+    keep: int | None = None,
+    blocking: bool = True,
+) -> Any:
+    """Save model, optimizer, scheduler, data position, random states and ``extra`` as one sharded checkpoint.
 
-    Every rank must call it. See [Note: checkpoint atomicity].
+    Every rank must call it. See [Note: checkpoint atomicity] in ``directory.py``.
 
     Args:
-        directory: the checkpoint root; created if missing.
-        model: the accelerated model.
+        directory: the checkpoint root; created if missing. One job writes it at a time ([Note: one writer]).
+        model: the accelerated model (any FSDP/TP/DDP model: its state goes through torch's state-dict API).
         optimizer: its optimizer (state keyed by parameter names).
         scheduler: anything with ``state_dict()``/``load_state_dict()`` (an LR scheduler).
         dataloader: the loader returned by ``accelerate()``; its position (epoch, batches consumed) is saved.
-        extra: values to keep (step counters, RNG states...): tensors, containers, numbers and strings; each
-            rank keeps its own (see [Note: per-rank extra]) and gets it back from ``load_checkpoint``.
+        extra: values to keep (step counters...): tensors, containers, numbers and strings; each rank keeps its
+            own (see [Note: per-rank extra]) and gets it back from ``load_checkpoint``.
         tag: the checkpoint's name; default ``checkpoint-<n+1>``.
+        keep: once this checkpoint is published, delete the oldest of the checkpoints ``save_checkpoint`` wrote
+            here beyond ``keep`` (never ``latest``'s, nor one being written; other folders are left alone).
+        blocking: False returns at once with a ``SaveHandle`` while the files are written in the background
+            ([Note: saves in the background] in ``writing.py``); the checkpoint holds the state at the call.
 
     Returns:
-        The path of the new checkpoint.
+        The path of the new checkpoint, or with ``blocking=False`` a handle whose ``wait()`` returns it.
 
     Raises:
         ValueError: a bad argument (the same on every rank, before anything is written).
-        RuntimeError: some rank failed to write (the message names the rank, the path and the cause); nothing
-            becomes ``latest``, the staging directory is removed and the previous checkpoint is intact.
+        RuntimeError: some rank failed to write (the message names the rank, the path and the cause), or another
+            job writes ``directory``; nothing becomes ``latest`` and the previous checkpoint is intact.
 
     Example:
         >>> torchacc.save_checkpoint("ckpt", model=model, optimizer=opt, dataloader=loader, extra={"step": step})
     """
-    _dir.check_save_args(model, scheduler, dataloader, extra, tag)
-    directory = os.fspath(directory)
-    what = f"save_checkpoint({directory!r})"
+    options = {"optimizer": optimizer, "scheduler": scheduler, "dataloader": dataloader, "extra": extra}
+    return save_state(directory, model=model, tag=tag, keep=keep, blocking=blocking, **options)
+
+
+def save_state(
+    root: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    dataloader: Any,
+    extra: dict[str, Any] | None,
+    tag: str | None,
+    keep: int | None,
+    max_bytes: float = float("inf"),
+    blocking: bool,
+) -> Any:
+    """``save_checkpoint``, whose rotation also keeps the checkpoints under ``max_bytes`` (``save_ckpt``'s)."""
+    _check_args(model, scheduler, dataloader, extra, keep)
+    directory.check_tag(tag)
+    root = os.fspath(root)
+    what = f"save_checkpoint({root!r})"
     # extra differs between ranks, so a bad one may show on one rank only: every rank must hear of it
-    raise_on_any_rank(_dir.check_extra(extra), what=what, error_type=ValueError)
+    raise_on_any_rank(_extra_problem(extra), what=what, error_type=ValueError)
+    wait_for_save()  # its publication may move latest and rotate
     error = None
     if env.rank() == 0:
         try:
-            os.makedirs(directory, exist_ok=True)
-            _dir.clean_leftovers(directory)
-            tag = tag or _dir.next_tag(directory)
+            os.makedirs(root, exist_ok=True)
+            directory.claim_writer(root)
+            directory.clean_leftovers(root)
+            tag = tag or directory.next_tag(root)
         except OSError as exc:
-            error = describe_os_error(exc, exc.filename or directory)
+            error = describe_os_error(exc, exc.filename or root)
+        except RuntimeError as exc:
+            error = str(exc)
     raise_on_any_rank(error, what=what)
     tag = broadcast(tag, src=0)
-    final = os.path.join(directory, tag)
 
-    state: dict[str, Any] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    state: dict[str, Any] = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     if optimizer is not None:
         osd = optim_state_dict(model, optimizer)
-        for name, values in osd["state"].items():
-            for key, value in values.items():
-                state[f"optim/{name}/{key}"] = value
-        state["optim_param_groups"] = encode(_merged_groups(model, osd["param_groups"]))
+        state.update({f"optim/{name}/{k}": v for name, values in osd["state"].items() for k, v in values.items()})
+        state["optim_param_groups"] = storage.encode(_merged_groups(model, osd["param_groups"]))
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
-            state[key] = encode(obj.state_dict())
-    state[f"extra/rank-{env.rank()}"] = encode(dict(extra or {}))
-    state["torchacc"] = encode({"world_size": env.world_size(), "format": FORMAT})
-    save_dcp(
-        state,
-        final,
-        what=what,
-        marker=tag,
-        on_published=lambda: _dir.point_latest(directory, tag),
-        unchanged=f"'{LATEST}' is unchanged",
-    )
-    return final
+            state[key] = storage.encode(obj.state_dict())
+    state[f"extra/rank-{env.rank()}"] = storage.encode(dict(extra or {}))
+    state[f"rng/rank-{env.rank()}"] = storage.encode(get_rng_state())
+    state["torchacc"] = storage.encode({"world_size": env.world_size(), "format": FORMAT, "layout": layout_of(model)})
+    final = os.path.join(root, tag)
+
+    def published() -> None:
+        directory.point_latest(root, tag)
+        if keep is not None:
+            directory.rotate(root, keep=keep, newest=final, max_bytes=max_bytes)
+
+    handle = save_dcp(state, final, what=what, tag=tag, on_published=published, blocking=blocking)
+    return final if blocking else handle
+
+
+def layout_of(model: nn.Module) -> str:
+    """How the ranks split ``model`` (``"fsdp=2 x tp=2"``): random states are restored only into the same layout."""
+    accelerated = accelerated_state(model)
+    return f"{env.world_size()} rank(s)" + (f", {accelerated.layout.dims.describe()}" if accelerated else "")
 
 
 def pipeline_group_of(model: nn.Module) -> dist.ProcessGroup | None:
@@ -158,65 +173,34 @@ def _merged_groups(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[
     return merged
 
 
-def save_dcp(
-    state: dict[str, Any],
-    final: str,
-    *,
-    what: str,
-    marker: str | None = None,
-    on_published: Callable[[], None] | None = None,
-    unchanged: str = "the previous version is intact",
-) -> None:
-    """Write ``state`` as a DCP checkpoint directory ``final``, atomically. Every rank must call it.
-
-    The one DCP save path (see [Note: checkpoint atomicity]): rank 0 creates ``.<name>.incomplete`` beside
-    ``final``, every rank writes its shards there, the checksums are recorded, and rank 0 renames it to
-    ``final`` (a previous ``final`` waits under ``.<name>.replaced`` until the new one has its name, and
-    ``on_published`` has run). ``marker`` writes save_checkpoint's marker naming that tag.
-
-    Raises:
-        RuntimeError: on every rank, naming the rank and cause; nothing is published (``unchanged`` says what
-            the caller keeps).
-    """
-    parent, name = os.path.split(os.path.abspath(final))
-    staging, replaced = os.path.join(parent, f".{name}.incomplete"), os.path.join(parent, f".{name}.replaced")
-    error = None
-    if env.rank() == 0:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-            if marker is not None:
-                _dir.write_marker(staging, marker)
-        except OSError as exc:
-            error = describe_os_error(exc, exc.filename or staging)
-    raise_on_any_rank(error, what=what)
-    error = write_staging(state, staging)  # the same on every rank
-    if error is not None:
-        if env.rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(f"{what} failed: {error}; nothing was saved and {unchanged}")
-    error = None
-    if env.rank() == 0:
-        try:
-            _dir.swap_in(staging, final, replaced)
-            _dir.fsync_dir(parent)
-            if on_published is not None:
-                on_published()
-            shutil.rmtree(replaced, ignore_errors=True)
-        except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            error = describe_os_error(exc, exc.filename or final)
-    raise_on_any_rank(error, what=what)
+def _check_args(model: Any, scheduler: Any, dataloader: Any, extra: Any, keep: Any) -> None:
+    """Raise on arguments that would fail later on some ranks only or half-way through a save."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
+        if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            hint = "the loader returned by torchacc.accelerate()" if name == "dataloader" else "an LR scheduler"
+            raise ValueError(
+                f"{name}= must have state_dict() and load_state_dict(), got {type(obj).__name__}; pass {hint}"
+            )
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra= must be a dict of tensors, containers, numbers, strings; got {type(extra).__name__}")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"keep={keep!r} must be None (keep every checkpoint) or an int >= 1, the checkpoints to keep")
 
 
-def write_staging(state: dict[str, Any], staging: str) -> str | None:
-    """``dcp.save`` ``state`` into the (existing) directory ``staging`` and record its checksums.
-
-    Every rank must call it. Returns None, or the first failure as one line naming the rank and path
-    (the same on every rank, so callers can clean up and raise together).
-    """
+def _extra_problem(extra: dict[str, Any] | None) -> str | None:
+    """Why ``extra`` would not load back without ``weights_only=False``, or None (checked on every rank)."""
     try:
-        dcp.save(state, checkpoint_id=staging)
-        return _checksums.record(staging)
-    except (Exception, CheckpointException) as exc:  # DCP raises the same failure on every rank
-        return _dir.describe_failure(exc, staging)
+        storage.decode(storage.encode(extra or {}), weights_only=True, what="extra")
+    except storage.UnsafeFileError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        return (
+            f"extra= holds values that could not be loaded back without running code"
+            f"{f' (found {found.group(1)})' if found else ''}"
+            "; keep tensors, containers, numbers and strings (a numpy array: torch.from_numpy(array); an object: its "
+            "state as a dict)"
+        )
+    except Exception as exc:
+        return f"extra= cannot be saved: {type(exc).__name__}: {exc}"
+    return None

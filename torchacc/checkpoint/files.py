@@ -20,8 +20,8 @@ from ..distributed import env
 from ..distributed.collectives import all_gather_object, meet, raise_on_any_rank
 from ._format.file_ranges import corrupt_member_message, file_crc32
 from ._format.zip import record_table
-from ._safe_load import refusal
 from .state import gather_full
+from .storage import refusal
 
 __all__ = ["save", "load", "verify_file"]
 

@@ -1,17 +1,18 @@
-"""Optimizer state of an accelerated model: keyed by parameter names, and sharded like the parameters.
+"""Optimizer state keyed by parameter names, through torch's state-dict API, and TorchAcc's plain optimizer loads.
 
-``optimizer.state_dict()`` keys state by position (0, 1, ...), which only means something next to
-the exact optimizer that wrote it, and under FSDP holds this rank's shards. ``optim_state_dict`` and
-``load_optim_state_dict`` key by the model's parameter names and convert between full tensors,
-DTensors and local shards.
+``optimizer.state_dict()`` keys state by position (0, 1, ...), which only means something next to the exact
+optimizer that wrote it, and under FSDP holds this rank's shards. ``optim_state_dict`` and
+``load_optim_state_dict`` are torch's ``get/set_optimizer_state_dict`` (keys: the model's parameter names,
+without wrapper prefixes), plus what they lack: full tensors and local shards are cut to this rank's piece
+without communication, state saved by position is accepted, and an optimizer that never stepped is not stepped.
 
-[Note: plain optimizer loads] TorchAcc scripts save ``torchacc.save(optimizer.state_dict(), path)``
-(the full state, gathered) and later call ``optimizer.load_state_dict(torch.load(path))``. torch's own
-load keeps those full tensors as plain tensors beside DTensor parameters, and the next step fails.
-``watch_optimizers`` makes that round trip exact: each optimizer over sharded parameters gets a
-load-state-dict pre-hook that shards full tensors like their parameter (and refuses state it cannot
-map, naming the parameter); an optimizer that loaded state before the hook was attached (one built
-after ``accelerate()`` gets it at its first step) has that state sharded at its first step.
+[Note: plain optimizer loads] TorchAcc scripts save ``torchacc.save(optimizer.state_dict(), path)`` (the full
+state, gathered) and later call ``optimizer.load_state_dict(torch.load(path))``. torch's own load keeps those
+full tensors as plain tensors beside DTensor parameters, and the next step fails. ``watch_optimizers`` makes
+that round trip exact: each optimizer over sharded parameters gets a load-state-dict pre-hook that shards full
+tensors like their parameter (and refuses state it cannot map, naming the parameter); an optimizer that loaded
+state before the hook was attached (one built after ``accelerate()`` gets it at its first step) has that state
+sharded at its first step.
 """
 
 import weakref
@@ -19,37 +20,46 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._utils.tree import map_tensors
 from ..parallel.accelerated import parameter_name, replaced_name
-from .state import check_shard_metadata, dtensor_like, gather_full
+from .state import canonical_name, check_shard_metadata, dtensor_like
 
-__all__ = ["optim_state_dict", "load_optim_state_dict", "watch_optimizers", "attach_load_hook", "shard_like"]
+__all__ = ["optim_state_dict", "load_optim_state_dict", "named_parameters", "watch_optimizers", "attach_load_hook"]
+__all__ += ["shard_like"]
 
 
-def _names_by_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The model's parameters under the names torch's state-dict API gives them (no wrapper prefixes)."""
+    return {canonical_name(name): param for name, param in model.named_parameters()}
+
+
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The parameter name of each optimizer index, in ``optimizer.state_dict()`` order."""
-    names = {param: name for name, param in model.named_parameters()}
-    ordered = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param not in names:
-                raise ValueError(
-                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in "
-                    f"{type(model).__name__}; build it from the accelerated model's parameters"
-                )
-            ordered.append(names[param])
-    return ordered
+    names = {param: name for name, param in named_parameters(model).items()}
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        if param not in names:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in "
+                f"{type(model).__name__}; build it from the accelerated model's parameters"
+            )
+    return [names[p] for group in optimizer.param_groups for p in group["params"]]
 
 
 def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter names.
+    """The optimizer's state keyed by parameter names (torch's ``get_optimizer_state_dict``).
 
     Args:
         model: the (accelerated) model the optimizer trains.
         optimizer: the optimizer.
-        full: gather sharded state into full CPU tensors (a collective: every rank must call it);
+        full: gather sharded state into full CPU tensors on every rank (a collective: every rank must call it);
             False keeps DTensors, which ``torchacc.save(..., master_only=False)`` stores as local shards.
 
     Returns:
@@ -59,15 +69,12 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full
         >>> shard = {"optimizer": torchacc.optim_state_dict(model, opt), "shard_metadata": model.get_shard_metadata()}
         >>> torchacc.save(shard, f"ckpt/rank-{rank}-of-{world}-optim.pth", master_only=False)
     """
-    names = _names_by_index(model, optimizer)
-    raw = optimizer.state_dict()
-    state = {}
-    for index, values in raw["state"].items():
-        state[names[index]] = {
-            key: (gather_full(value) if full and isinstance(value, DTensor) else value) for key, value in values.items()
-        }
-    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in raw["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    names = _names(model, optimizer)
+    if not optimizer.state:  # torch's API would take a zero-gradient step to create it: Adam's step would count it
+        groups = optimizer.state_dict()["param_groups"]
+        return {"state": {}, "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full))
+    return map_tensors(lambda t: t.detach().cpu(), osd) if full else osd
 
 
 def load_optim_state_dict(
@@ -79,8 +86,9 @@ def load_optim_state_dict(
 ) -> None:
     """Load optimizer state saved by ``optim_state_dict`` (full or sharded), or ``optimizer.state_dict()``.
 
-    Full tensors are cut to this rank's shard without communication, so a consolidated optimizer
-    state loads at any world size. Local shards need the ``shard_metadata`` saved with them.
+    Full tensors are cut to this rank's shard without communication, so a consolidated optimizer state loads
+    at any world size; local shards need the ``shard_metadata`` saved with them. Then torch's
+    ``set_optimizer_state_dict`` loads it.
 
     Args:
         model: the accelerated model the optimizer trains.
@@ -95,27 +103,28 @@ def load_optim_state_dict(
     """
     if shard_metadata is not None:
         check_shard_metadata(shard_metadata)
-    names = _names_by_index(model, optimizer)
-    index_of = {name: i for i, name in enumerate(names)}
-    groups = state_dict["param_groups"]
-    sizes = [len(g["params"]) for g in groups]
-    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if sizes != live_sizes:
+    names, params = _names(model, optimizer), named_parameters(model)
+    sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+    live = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != live:
         raise ValueError(
-            f"the saved optimizer has param groups of sizes {sizes} but this one has {live_sizes}; build the "
+            f"the saved optimizer has param groups of sizes {sizes} but this one has {live}; build the "
             "optimizer with the same parameter groups as the run that saved it"
         )
-    params = dict(model.named_parameters())
+
+    def name_of(key: Any) -> str:
+        name = names[key] if isinstance(key, int) else canonical_name(key)
+        if name not in params:
+            raise ValueError(f"saved optimizer state for {name!r}, which is not a parameter of {type(model).__name__}")
+        return name
+
     state = {}
     for key, values in state_dict["state"].items():
-        name = names[key] if isinstance(key, int) else key
-        if name not in index_of:
-            raise ValueError(f"saved optimizer state for {name!r}, which is not a parameter of {type(model).__name__}")
-        state[index_of[name]] = {k: shard_like(params[name], name, k, v, shard_metadata) for k, v in values.items()}
-    live_groups = [
-        {**saved, "params": [index_of[n] if isinstance(n, str) else n for n in saved["params"]]} for saved in groups
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": live_groups})
+        name = name_of(key)
+        state[name] = {k: shard_like(params[name], name, k, v, shard_metadata) for k, v in values.items()}
+    groups = [{**g, "params": [name_of(n) for n in g["params"]]} for g in state_dict["param_groups"]]
+    options = StateDictOptions(strict=False)  # a parameter without saved state (it never had a gradient) is fine
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)
 
 
 def shard_like(param: torch.Tensor, name: str, key: str, value: Any, meta: dict[str, Any] | None = None) -> Any:
@@ -179,8 +188,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             )
     if any(isinstance(p, DTensor) for p in params):
         for param in params:
-            state = optimizer.state.get(param)
-            if state:
+            if state := optimizer.state.get(param):
                 name = parameter_name(param)
                 optimizer.state[param] = {k: shard_like(param, name, k, v) for k, v in state.items()}
         attach_load_hook(optimizer)
@@ -205,8 +213,7 @@ def _shard_loaded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, 
     by_id = dict(zip(saved_ids, params, strict=True))
     state = {}
     for index, values in state_dict.get("state", {}).items():
-        param = by_id.get(index)
-        if param is None:
+        if (param := by_id.get(index)) is None:
             raise ValueError(
                 f"optimizer.load_state_dict: state for parameter index {index!r}, which no group holds; {fix}"
             )

@@ -29,9 +29,19 @@ from ..distributed import env
 from ..parallel.accelerated import accelerated_state
 
 __all__ = ["FORMAT", "get_shard_metadata", "load_state_dict", "check_shard_metadata", "parse_dtype", "local_slice"]
-__all__ += ["dtensor_like", "gather_full", "gather_model", "is_sharded"]
+__all__ += ["dtensor_like", "gather_full", "require_whole_model", "is_sharded", "canonical_name"]
 
 FORMAT = "torchacc-shards/1"
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the segments that wrappers (torch.compile, checkpoint_wrapper, FSDP1) insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -209,12 +219,9 @@ def gather_full(obj: Any, *, keep: bool = True, defaultdict_as_dict: bool = Fals
     return map_tensors(full, obj, defaultdict_as_dict=defaultdict_as_dict)
 
 
-def gather_model(model: nn.Module, *, keep: bool = True) -> dict[str, Any]:
-    """``gather_full(model.state_dict())``: the whole model on this rank (see ``gather_full`` for ``keep``).
-
-    Raises:
-        ValueError: on every rank, for a pipelined model (``dist.pp.size > 1``): no rank holds the other stages.
-    """
+def require_whole_model(model: nn.Module) -> None:
+    """Raise, on every rank, for a pipelined model (``dist.pp.size > 1``): no rank holds the other stages, so
+    the whole model cannot be gathered on one (a full state dict, ``save_model``, a live ``export_hf``)."""
     accelerated = accelerated_state(model)
     if accelerated is not None and accelerated.layout.dims.pp > 1:
         raise ValueError(
@@ -222,7 +229,6 @@ def gather_model(model: nn.Module, *, keep: bool = True) -> dict[str, Any]:
             "under dist.pp.size > 1, where each rank holds only its pipeline stages; save a sharded checkpoint "
             "(state_dict_type='sharded', save_ckpt, torchacc.save_checkpoint) and consolidate it offline"
         )
-    return gather_full(model.state_dict(), keep=keep)
 
 
 def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -> DTensor | None:

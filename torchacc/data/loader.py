@@ -245,7 +245,21 @@ class ShardedDataLoader:
             return None
 
     def __len__(self) -> int:
+        """A full epoch's batches at this number of ranks, also after a resume: see :attr:`num_batches_remaining`."""
         self._take_user_epoch()
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableDistributedSampler):
+            return batch_count(sampler.split_size(0), self.loader.batch_size, self.loader.drop_last)
+        return len(self.loader)
+
+    @property
+    def num_batches_remaining(self) -> int:
+        """The batches the pass in progress has still to yield, or, between passes, that the next pass yields:
+        ``len(self)`` but for a pass that resumes mid-epoch after :meth:`load_state_dict`."""
+        self._take_user_epoch()
+        progress = self._progress
+        if self._resume is None and progress is not None and not progress.done and progress.left is not None:
+            return progress.left
         return len(self.loader) - self._skip_reads
 
     def __iter__(self) -> Iterator[Any]:
@@ -261,7 +275,10 @@ class ShardedDataLoader:
         progress = _Progress(start.epoch, start.split_start, start.batches, left=self._len_or_none(self._skip_reads))
         self._progress = progress
         self._epoch += 1
-        batches = iter(self.loader)
+        # Resumed mid-epoch, the iterator's seed was drawn from the global generator before the random state that
+        # load_checkpoint restores; drawing it again would shift every later draw (dropout masks).
+        with torch.random.fork_rng(devices=[], enabled=bool(start.batches or start.split_start)):
+            batches = iter(self.loader)
         if self._skip_reads:
             batches = itertools.islice(batches, self._skip_reads, None)
         if self._observer is not None:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._utils.logging import warn_once
+from ..checkpoint.hf import save_pretrained
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
 from ..distributed.collectives import broadcast, sync_tensors
@@ -216,6 +217,8 @@ def shard_model(
     # load_state_dict must also take full (consolidated) and local-shard state dicts.
     model.get_shard_metadata = MethodType(get_shard_metadata, model)
     model.load_state_dict = MethodType(load_state_dict, model)
+    if callable(getattr(model, "save_pretrained", None)):  # transformers' own cannot save sharded tensors
+        model.save_pretrained = MethodType(save_pretrained, model)
     run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
     record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id, pipeline))
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..checkpoint.writing import wait_for_save
 from ..distributed import collectives, env
 
 __all__ = ["StrategyRuntimeMixin"]
@@ -94,5 +95,6 @@ class StrategyRuntimeMixin:
         return collectives.reduce(tensor, op=reduce_op)
 
     def teardown(self) -> None:
-        """Destroy the process group."""
+        """Publish a save still in flight (``save_ckpt(blocking=False)``), then destroy the process group."""
+        wait_for_save()
         env.teardown()

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ..state import canonical_name
+
 __all__ = ["TensorItem", "canonical_name", "get_path"]
 
 
@@ -26,16 +28,6 @@ class TensorItem:
     @property
     def num_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """``name`` without the segments that wrappers (torch.compile, checkpoint_wrapper, FSDP1) insert."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def get_path(obj: Any, path: tuple[str, ...]) -> Any:

@@ -26,6 +26,7 @@ __all__ = [
     "consolidate",
     "consolidate_sharded_model_checkpoints",
     "consolidate_sharded_optimizer_checkpoints",
+    "consolidate_dcp",
 ]
 
 MODEL_PATTERN = "rank-*-of-*-model.pth"
@@ -175,6 +176,45 @@ def _write_safetensors(
         else:
             writer.write(item.out_path[0], shards.full_tensor(item))
     writer.close()
+
+
+def consolidate_dcp(
+    path: str, *, section: str = "model", out: str, fmt: str = "torch", sync_files: bool = True
+) -> None:
+    """Write the model (or optimizer) state of the ``save_checkpoint`` checkpoint ``path`` to ``out`` as
+    :func:`consolidate` does (``{section: state}`` or flat safetensors), reading one tensor at a time."""
+    from ..dcp_load import dcp_source
+
+    layout, read = dcp_source(path, "model/" if section == "model" else "optim/")
+    if fmt == "safetensors":
+
+        def write(tmp: str) -> None:
+            writer = StreamingSafetensorsWriter(tmp, layout)
+            for key in layout:
+                writer.write(key, read(key))
+            writer.close()
+
+        return atomic_write(out, write, sync=sync_files)
+    slots = {key: TensorSlot(str(i), shape, dtype) for i, (key, (shape, dtype)) in enumerate(layout.items())}
+    skeleton: dict[str, Any] = dict(slots)
+    if section != "model":
+        from torch.distributed.checkpoint import load
+
+        from ..storage import SafeLoadPlanner, SafeReader, decode
+
+        box = {"optim_param_groups": None}
+        load(box, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        skeleton = {"state": {}, "param_groups": decode(box["optim_param_groups"], weights_only=True, what=path)}
+        for key, slot in slots.items():
+            name, _, state_key = key.rpartition("/")
+            skeleton["state"].setdefault(name, {})[state_key] = slot
+
+    def write_torch(tmp: str) -> None:
+        with StreamingTorchWriter(tmp, {section: skeleton}) as writer:
+            for key, slot in slots.items():
+                writer.write(slot, read(key))
+
+    atomic_write(out, write_torch, sync=sync_files)
 
 
 def _shard_glob(ckpt_prefix: str, ckpt_suffix: str, default_out: str, save_path: str) -> tuple[str, str]:
