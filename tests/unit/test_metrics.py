@@ -273,17 +273,22 @@ def test_tokens_are_counted_before_the_loaders_transform():
     assert notes == [(27, 27 * 15)]
 
 
-def test_a_resumed_optimizer_goes_on_counting_steps():
+@pytest.mark.parametrize("load", ["optimizer.load_state_dict", "torchacc.load_optim_state_dict"])
+def test_a_resumed_optimizer_goes_on_counting_steps(load):
     def train(optimizer_state=None):
         model, loader = torchacc.accelerate(tiny_gpt2(), _lm_loader(4), _config(every=1, sinks=set()))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if optimizer_state is not None:
+        if optimizer_state is not None and load == "optimizer.load_state_dict":
             optimizer.load_state_dict(optimizer_state)
+        elif optimizer_state is not None:  # torch's set_optimizer_state_dict: a zero-gradient step creates the state
+            torchacc.load_optim_state_dict(model, optimizer, optimizer_state)
         for batch in loader:
             model(**batch).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        return optimizer.state_dict()
+        if load == "optimizer.load_state_dict":
+            return optimizer.state_dict()
+        return torchacc.optim_state_dict(model, optimizer)
 
     state = train()
     assert torchacc.last_metrics()["step"] == 2

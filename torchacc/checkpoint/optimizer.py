@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._utils.internal_steps import internal_optimizer_steps
 from .._utils.tree import map_tensors
 from ..parallel.accelerated import parameter_name, replaced_name
 from .state import canonical_name, check_shard_metadata, dtensor_like
@@ -124,7 +125,8 @@ def load_optim_state_dict(
         state[name] = {k: shard_like(params[name], name, k, v, shard_metadata) for k, v in values.items()}
     groups = [{**g, "params": [name_of(n) for n in g["params"]]} for g in state_dict["param_groups"]]
     options = StateDictOptions(strict=False)  # a parameter without saved state (it never had a gradient) is fine
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)
+    with internal_optimizer_steps():  # torch creates an empty optimizer's state with a zero-gradient step
+        set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)
 
 
 def shard_like(param: torch.Tensor, name: str, key: str, value: Any, meta: dict[str, Any] | None = None) -> Any:

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from .._utils.internal_steps import in_internal_optimizer_step
 from .._utils.logging import warn_once
 from ..data import ShardedDataLoader
 from ..distributed import env
@@ -249,12 +250,16 @@ def _sum_over(group: Any, count: int) -> int:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if in_internal_optimizer_step():  # a checkpoint load creating the optimizer's state: not a training step
+        return
     for watch in list(_live.values()):
         if watch.owns(optimizer):
             watch.recorder.before_step()
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if in_internal_optimizer_step():
+        return
     for watch in list(_live.values()):
         if watch.owns(optimizer):
             groups = optimizer.param_groups
