@@ -154,6 +154,18 @@ def checkpoint_cp2(out: Path) -> dict:
     }
 
 
+def moe_aux_loss() -> dict:
+    """The CP 2 loss of pp_scenarios.moe_with_aux_loss() (its routers' load-balancing loss added) on 4 samples."""
+    from pp_scenarios import moe_with_aux_loss
+
+    config = cp_config()
+    config.dist.fsdp.wrap_layer_cls = {"MixtralDecoderLayer"}
+    model, loader = torchacc.accelerate(moe_with_aux_loss(), DataLoader(token_dataset(4), batch_size=4), config)
+    batch = next(iter(loader))
+    loss = model(**{k: v for k, v in batch.items() if k != "index"}).loss
+    return {"loss": loss.item(), "indices": batch["index"].tolist()}
+
+
 def two_rank_suite(out: str) -> dict:
     return {
         "cp2": train(cp_config()),
@@ -161,6 +173,7 @@ def two_rank_suite(out: str) -> dict:
         "cp2_bf16": train(cp_config(bf16=True)),  # FSDP's bf16 input casting must not copy the CP context
         "strategy_cp2": train_strategy(cp_config()),
         "checkpoint": checkpoint_cp2(Path(out)),
+        "moe_aux_loss": moe_aux_loss(),
     }
 
 
