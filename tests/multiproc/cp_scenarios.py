@@ -166,6 +166,23 @@ def moe_aux_loss() -> dict:
     return {"loss": loss.item(), "indices": batch["index"].tolist()}
 
 
+DYNAMIC_ROPE = dict(
+    max_position_embeddings=8,  # shorter than the 16-token sequences: the rotary frequencies scale with the length
+    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    initializer_range=0.3,  # large weights: the attention (and so the loss) depends on the frequencies clearly
+)
+
+
+def dynamic_rope() -> dict:
+    """The CP 2 loss and this rank's chunk of logits of a Llama with dynamic NTK rope scaling on 2 sequences."""
+    model, loader = torchacc.accelerate(
+        tiny_llama(seed=0, **DYNAMIC_ROPE), DataLoader(token_dataset(2), batch_size=2), cp_config()
+    )
+    batch = next(iter(loader))
+    output = model(**{k: v for k, v in batch.items() if k != "index"})
+    return {"loss": output.loss.item(), "logits": output.logits.detach(), "indices": batch["index"].tolist()}
+
+
 def two_rank_suite(out: str) -> dict:
     return {
         "cp2": train(cp_config()),
@@ -174,6 +191,7 @@ def two_rank_suite(out: str) -> dict:
         "strategy_cp2": train_strategy(cp_config()),
         "checkpoint": checkpoint_cp2(Path(out)),
         "moe_aux_loss": moe_aux_loss(),
+        "dynamic_rope": dynamic_rope(),
     }
 
 

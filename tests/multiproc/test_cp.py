@@ -187,3 +187,27 @@ def test_cp2_keeps_the_moe_router_aux_loss(two):
         ids = torch.stack([data[i]["input_ids"] for i in result["moe_aux_loss"]["indices"]])
         expected = moe_with_aux_loss()(input_ids=ids, labels=ids).loss.item()
         assert abs(result["moe_aux_loss"]["loss"] - expected) < TOL, (result["moe_aux_loss"]["loss"], expected)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="silent-wrong: with dynamic NTK rope scaling (rope_parameters rope_type='dynamic') transformers picks the "
+    "rotary frequencies from max(position_ids) + 1 of the positions the rotary embedding gets, which under dist.cp "
+    "are the chunk's: chunk 0 of a sequence longer than max_position_embeddings rotates with the unscaled "
+    "frequencies and chunk 1 with the scaled ones, so queries and keys of one sequence disagree (loss 7.670 against "
+    "one process's 7.624 here, logits off by up to 3.6)",
+)
+def test_cp2_with_dynamic_rope_scaling_matches_one_process(two):
+    from cp_scenarios import DYNAMIC_ROPE
+
+    data = token_dataset(2)
+    for rank, result in enumerate(two):
+        run = result["dynamic_rope"]
+        ids = torch.stack([data[i]["input_ids"] for i in run["indices"]])
+        with torch.no_grad():
+            expected = tiny_llama(seed=0, **DYNAMIC_ROPE)(input_ids=ids, labels=ids)
+        chunk = ids.shape[1] // 2
+        torch.testing.assert_close(
+            run["logits"], expected.logits[:, rank * chunk : (rank + 1) * chunk], atol=TOL, rtol=0
+        )
+        assert abs(run["loss"] - expected.loss.item()) < TOL
