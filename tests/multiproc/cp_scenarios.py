@@ -154,6 +154,35 @@ def checkpoint_cp2(out: Path) -> dict:
     }
 
 
+def moe_aux_loss() -> dict:
+    """The CP 2 loss of pp_scenarios.moe_with_aux_loss() (its routers' load-balancing loss added) on 4 samples."""
+    from pp_scenarios import moe_with_aux_loss
+
+    config = cp_config()
+    config.dist.fsdp.wrap_layer_cls = {"MixtralDecoderLayer"}
+    model, loader = torchacc.accelerate(moe_with_aux_loss(), DataLoader(token_dataset(4), batch_size=4), config)
+    batch = next(iter(loader))
+    loss = model(**{k: v for k, v in batch.items() if k != "index"}).loss
+    return {"loss": loss.item(), "indices": batch["index"].tolist()}
+
+
+DYNAMIC_ROPE = dict(
+    max_position_embeddings=8,  # shorter than the 16-token sequences: the rotary frequencies scale with the length
+    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    initializer_range=0.3,  # large weights: the attention (and so the loss) depends on the frequencies clearly
+)
+
+
+def dynamic_rope() -> dict:
+    """The CP 2 loss and this rank's chunk of logits of a Llama with dynamic NTK rope scaling on 2 sequences."""
+    model, loader = torchacc.accelerate(
+        tiny_llama(seed=0, **DYNAMIC_ROPE), DataLoader(token_dataset(2), batch_size=2), cp_config()
+    )
+    batch = next(iter(loader))
+    output = model(**{k: v for k, v in batch.items() if k != "index"})
+    return {"loss": output.loss.item(), "logits": output.logits.detach(), "indices": batch["index"].tolist()}
+
+
 def two_rank_suite(out: str) -> dict:
     return {
         "cp2": train(cp_config()),
@@ -161,6 +190,8 @@ def two_rank_suite(out: str) -> dict:
         "cp2_bf16": train(cp_config(bf16=True)),  # FSDP's bf16 input casting must not copy the CP context
         "strategy_cp2": train_strategy(cp_config()),
         "checkpoint": checkpoint_cp2(Path(out)),
+        "moe_aux_loss": moe_aux_loss(),
+        "dynamic_rope": dynamic_rope(),
     }
 
 

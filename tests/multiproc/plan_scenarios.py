@@ -124,3 +124,26 @@ def oracle_two() -> dict:
 
 def oracle_four() -> dict:
     return _oracle(FOUR)
+
+
+def _fsdp_tp_step() -> dict:
+    """A fresh FSDP 2 x TP 2 llama, one forward and backward, its clipped norm (reduced over the mesh's groups)."""
+    config = build_config({"dist.fsdp.size": 2, "dist.tp.size": 2})
+    config.dist.fsdp.wrap_layer_cls = wrap_classes("llama")
+    model = torchacc.accelerate(build_model("llama"), config=config)
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(torchacc.dist.rank() // 2))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return {"loss": loss.item(), "norm": torchacc.clip_grad_norm_(model.parameters(), max_norm=1e6)}
+
+
+def estimate_between_trainings() -> dict:
+    """Train, let rank 0 alone estimate (a script printing its plan), train a new model of the same layout.
+
+    The second model's meshes equal the first's; DTensor's caches must not send some ranks to the first model's
+    process groups and others to the second's (see [Note: fake world]): test_plan_oracle.py's launch times out.
+    """
+    first = _fsdp_tp_step()
+    if torchacc.dist.rank() == 0:
+        estimate("llama", {"dist.fsdp.size": 2, "dist.tp.size": 2}, torchacc.dist.world_size())
+    return {"first": first, "second": _fsdp_tp_step()}

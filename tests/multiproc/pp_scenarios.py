@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import torch
-from _models import tiny_llama, token_dataset
+from _models import SEQ, VOCAB, tiny_llama, token_dataset
 from scenarios import full_state
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -180,6 +180,74 @@ def meta_init(config: torchacc.Config) -> dict[str, torch.Tensor]:
     return full_state(torchacc.accelerate(model, config=config))
 
 
+def moe_with_aux_loss(seed: int = 0) -> torch.nn.Module:
+    """A tiny Mixtral that adds its routers' load-balancing loss to the loss (``output_router_logits=True``, as MoE
+    training does), with NUM_LAYERS blocks."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=1.0,
+        tie_word_embeddings=False,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=None,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+def moe_aux_loss() -> dict:
+    """One train_step of moe_with_aux_loss() at PP 2 on the first 4 samples: the loss every rank returns."""
+    config = pp_config(microbatches=2)
+    config.dist.fsdp.wrap_layer_cls = {"MixtralDecoderLayer"}
+    model = torchacc.accelerate(moe_with_aux_loss(), config=config)
+    ids = torch.stack([s["input_ids"] for s in token_dataset(4)])
+    return {"loss": torchacc.train_step(model, {"input_ids": ids, "labels": ids}).item()}
+
+
+def uneven_last_batch() -> dict:
+    """PP 2 over a DataLoader of 10 samples in batches of 4 (drop_last=False, the default): batches of 4, 4 and 2
+    samples, each divisible into dist.pp.microbatches=2. A short timeout: a rank left waiting fails in seconds."""
+    config = pp_config(microbatches=2)
+    config.dist.timeout = 10.0
+    data = token_dataset(32)[:10]
+    model, loader = torchacc.accelerate(model_of("llama", seed=0), DataLoader(data, batch_size=4), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, indices = [], []
+    try:
+        for batch in loader:
+            indices.append(batch["index"].tolist())
+            losses.append(torchacc.train_step(model, batch_of(batch)).item())
+            torchacc.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank got
+        return {"losses": losses, "indices": indices, "error": (type(exc).__name__, str(exc))}
+    return {"losses": losses, "indices": indices, "error": None}
+
+
+def pp_x_cp() -> str | None:
+    """accelerate() at PP 2 x CP 2: the ValueError it raises, or None when it accepts the layout (the first
+    train_step then fails inside the schedule: see test_pp.py)."""
+    config = pp_config(microbatches=2)
+    config.dist.cp.size = 2
+    try:
+        torchacc.accelerate(model_of("llama", seed=0), config=config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def two_rank_suite(out: str) -> dict:
     return {
         "meta_pp2_rank_seeds": meta_init(pp_config()),
@@ -189,6 +257,7 @@ def two_rank_suite(out: str) -> dict:
         "pp2_llama_interleaved": train(pp_config(schedule="Interleaved1F1B", stages_per_rank=2)),
         "strategy": strategy_run(),
         "refusals": refusals(),
+        "moe_aux_loss": moe_aux_loss(),
     }
 
 
@@ -210,4 +279,5 @@ def four_rank_suite(out: str) -> dict:
         "pp2_dp2_llama_gpipe": train(pp_config(schedule="GPipe")),  # replicas of each stage (dist.dp.size=2)
         "resume_pp2_fsdp2": resume(pp_config(fsdp=2), out),
         "resume_fsdp4": resume(pp_config(pp=1, fsdp=4), out, samples=third[2 * rank : 2 * rank + 2]),
+        "pp2_cp2": pp_x_cp(),  # last: if accepted, the layout's groups stay unused
     }

@@ -333,8 +333,7 @@ def hsdp_suite() -> dict:
         "metrics_fsdp_tp": metrics_scenarios.fsdp_tp_records(),
         "plan_oracle": plan_scenarios.oracle_four(),
         # After the oracle: a PP x FSDP run leaves about 190 KB per rank alive that a later run frees, which the
-        # oracle's measured peak (net of what was alive before it) would lose. (An FSDP x TP run after the oracle
-        # hung here: keep that one before it.)
+        # oracle's measured peak (net of what was alive before it) would lose.
         "metrics_pp_fsdp": metrics_scenarios.pp_fsdp_records(),
     }
 

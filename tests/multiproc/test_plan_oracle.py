@@ -9,7 +9,12 @@ rank of the pipeline may peak by more than 10%), and the estimated peak must be 
 ``track_memory`` measured (benchmarks/plan_accuracy.py records the figures on larger shapes).
 """
 
+from pathlib import Path
+
 import pytest
+from _launch import launch
+
+PLAN_SCENARIOS = str(Path(__file__).with_name("plan_scenarios.py"))
 
 
 def _check(results: list[dict], names: list[str]) -> None:
@@ -38,3 +43,11 @@ def test_estimates_equal_two_real_ranks(two_ranks):
 
 def test_estimates_equal_four_real_ranks(four_ranks):
     _check(four_ranks, ["gpt2_hsdp", "llama_fsdp_tp_ac"])
+
+
+def test_training_after_an_estimate_on_one_rank_does_not_hang(tmp_path):
+    # a hang (ranks sent to different process groups) fails the launch after its timeout
+    results = launch(f"{PLAN_SCENARIOS}:estimate_between_trainings", 4, tmp_path, timeout=90)
+    for result in results:  # the same model, seed and data: the second run equals the first
+        assert result["second"] == pytest.approx(result["first"], rel=1e-6)
+        assert result["second"]["norm"] == pytest.approx(results[0]["second"]["norm"], rel=1e-6)

@@ -69,6 +69,25 @@ def _gather(mesh) -> float:
     return doubled.redistribute(mesh, [Replicate()]).to_local().sum()
 
 
+def _dtensor_state(mesh) -> tuple:
+    """DTensor's caches as the caller finds them: each Python cache (the object and its size), ``DeviceMesh``'s
+    constructor, and the mesh that a cached decision gives an op on ``mesh`` (the equal mesh it was made on)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, _redistribute, distribute_tensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    caches = [
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache,
+        ShardingPropagator._propagate_tensor_meta_cached,
+        MeshTopoInfo.build_from_mesh,
+        _redistribute._gen_transform_infos,
+    ]
+    decided = (distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2)._spec.mesh
+    return (*[(id(c), c.cache_info().currsize) for c in caches], dict(_redistribute._planner_cache),
+            DeviceMesh.__init__, id(decided))  # fmt: skip
+
+
 def test_fake_group_inside_a_real_one_leaves_it_working():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -76,6 +95,10 @@ def test_fake_group_inside_a_real_one_leaves_it_working():
     world, names, hook = c10d._world, dict(c10d._world.pg_names), sys.excepthook
     real_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
     assert _gather(real_mesh) == 16.0
+    # an equal mesh of a later model: its ops get real_mesh's cached decisions, and must go on getting them (an
+    # estimate on one rank that emptied the caches sent that rank to the later mesh's groups, the others not)
+    later_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    found = _dtensor_state(later_mesh)
     with fake_process_group(world_size=1):  # a mesh equal to the real one, on a fake group
         _gather(init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
     for _ in range(2):  # the second world's mesh equals the first's, whose groups are gone
@@ -83,6 +106,7 @@ def test_fake_group_inside_a_real_one_leaves_it_working():
             assert (dist.get_world_size(), dist.get_rank()) == (8, 3)
             _gather(init_device_mesh("cpu", (8,), mesh_dim_names=("tp",)))
     assert (c10d._world, dict(c10d._world.pg_names), sys.excepthook) == (world, names, hook)
+    assert _dtensor_state(later_mesh) == found
     tensor = torch.ones(3)
     dist.all_reduce(tensor)
     assert dist.get_world_size() == 1 and _gather(real_mesh) == 16.0  # not sent to the fake world's groups

@@ -10,13 +10,25 @@ twice. So, for the duration of the block, ``_world`` is swapped for a private on
 torch's threaded test groups do), every group name gets a prefix of its own (no clash with the caller's
 groups in the registry), and on exit the fake groups are shut down and unregistered one by one (never
 ``destroy_process_group()`` on the world, which would unregister the caller's groups too) and everything is
-put back as it was. DTensor caches its sharding decisions by mesh, and two meshes of the same shape compare
-equal whatever their groups: a decision cached in the fake world would send the caller's DTensors to groups
-that no longer exist, and one cached before it would send fake work to real groups. Those caches are emptied on
-the way in and on the way out (they refill on the next operations).
+put back as it was.
+
+[Note: fake meshes and DTensor's caches] DTensor caches its decisions (sharding propagation, redistribution
+plans, mesh topology) by mesh, and two meshes of the same shape compare equal whatever their groups; a cached
+decision holds the mesh it was first made on, which the DTensors that op makes later take as theirs, groups
+included. A decision cached in the fake world would so send the caller's DTensors to fake groups, and one
+cached before it fake work to real groups. Emptying the caches is no cure: an estimate runs on one rank or some
+(a script printing its plan on rank 0), and a rank with emptied caches then sends a new model's DTensors to its
+new groups while the others still send theirs to an equal earlier model's groups, and the job hangs in the next
+collective. So the caches are left alone: every mesh made in the block carries a mark of its world, so that it
+equals no mesh outside (the way torch marks the meshes of its threaded test groups), and DTensor's Python
+caches are swapped for empty ones for the block, the caller's put back after it. The C++ fast path's cache (one
+per thread) can be neither swapped nor emptied (it alone holds most of the caller's decisions, and emptying it
+on some ranks hangs the job as above): it keeps the fake world's decisions, which no later mesh can match, as do
+the caches of another thread that a fake step's backward runs on (a CUDA device's autograd thread).
 """
 
 import contextlib
+import functools
 import sys
 import uuid
 from collections.abc import Iterator
@@ -85,12 +97,12 @@ def fake_process_group(*, world_size: int, rank: int = 0) -> Iterator[None]:
     def process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
         return type(name := name_group(ranks, use_hashed_name))(prefix + name)
 
-    _clear_dtensor_caches()
     c10d._world = world
     c10d._process_group_name = process_group_name
     try:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        yield
+        with _marked_meshes(prefix), _own_dtensor_caches():
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+            yield
     finally:
         for group, name in list(world.pg_names.items()):
             with contextlib.suppress(Exception):  # one group that will not shut down must not keep the others
@@ -101,15 +113,58 @@ def fake_process_group(*, world_size: int, rank: int = 0) -> Iterator[None]:
         for name, value in saved.items():
             setattr(c10d, name, value)
         sys.excepthook = hook
-        _clear_dtensor_caches()
 
 
-def _clear_dtensor_caches() -> None:
-    """Forget DTensor's sharding decisions and redistribution plans, which hold meshes (see [Note: fake world])."""
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+@contextlib.contextmanager
+def _marked_meshes(mark: str) -> Iterator[None]:
+    """Every ``DeviceMesh`` made in the block equals no mesh made outside it (see [Note: fake meshes and DTensor's
+    caches]): ``_thread_id``, which ``__eq__`` and ``__hash__`` compare, is the world's mark instead of None."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__dict__["__init__"]
+
+    @functools.wraps(init)
+    def marked_init(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        init(mesh, *args, **kwargs)
+        mesh._thread_id = mark  # type: ignore[assignment]
+        mesh._hash = None
+
+    DeviceMesh.__init__ = marked_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+
+
+def _dtensor_caches() -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, an empty one)`` for each of DTensor's Python caches keyed by meshes."""
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()
-    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
-    clear_redistribute_planner_cache()
+    def empty(cached: Any) -> Any:
+        return functools.lru_cache(cached.cache_parameters()["maxsize"])(cached.__wrapped__)
+
+    sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding  # this thread's holder of a cache
+    return [
+        (sharding, "cache", empty(sharding.cache)),
+        (ShardingPropagator, "_propagate_tensor_meta_cached", empty(ShardingPropagator._propagate_tensor_meta_cached)),
+        (MeshTopoInfo, "build_from_mesh", staticmethod(empty(MeshTopoInfo.build_from_mesh))),
+        (_redistribute, "_gen_transform_infos", empty(_redistribute._gen_transform_infos)),
+        (_redistribute, "_planner_cache", {}),
+    ]
+
+
+@contextlib.contextmanager
+def _own_dtensor_caches() -> Iterator[None]:
+    """DTensor's Python caches empty in the block, the caller's back after it, untouched (see [Note: fake meshes
+    and DTensor's caches])."""
+    swaps = _dtensor_caches()
+    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in swaps]
+    for owner, name, fresh in swaps:
+        setattr(owner, name, fresh)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
