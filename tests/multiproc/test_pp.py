@@ -310,12 +310,6 @@ def test_a_smaller_last_batch_trains_or_fails_the_same_on_every_rank(uneven):
         assert "dist.pp" in errors[0][1], errors
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="crash-unclear: accelerate() accepts dist.pp.size=2 with dist.cp.size=2 (nothing refuses the pair), and "
-    "the first train_step then fails on the first stage with 'dist.cp: an attention layer ran without the "
-    "sequence-split context: call the accelerated model itself' while the other stage dies on a closed gloo pair",
-)
 def test_pp_with_cp_is_refused_at_accelerate(four):
     for result in four:
         assert result["pp2_cp2"] is not None, "accelerate() accepted PP 2 x CP 2"

@@ -89,6 +89,7 @@ def _config(**pp) -> Config:
             {"tp": 2, "sequence_parallel": True},
             "dist.tp.sequence_parallel=True does not combine with dist.pp.size > 1",
         ),
+        ({"size": 2}, 4, {"cp": 2}, "dist.pp.size=2 with dist.cp.size=2: pipeline and context parallelism do not"),
     ],
 )
 def test_every_pp_config_error(pp, world, other, message):
@@ -97,6 +98,7 @@ def test_every_pp_config_error(pp, world, other, message):
     config.dist.dp.size = other.get("dp")
     config.dist.tp.size = other.get("tp", 1)
     config.dist.tp.sequence_parallel = other.get("sequence_parallel", False)
+    config.dist.cp.size = other.get("cp", 1)
     with pytest.raises(ValueError, match=re.escape(message)):
         config.validate(world)
 

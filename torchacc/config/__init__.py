@@ -128,6 +128,11 @@ class Config(Node):
                 "(torch's ring attention, CUDA only)"
             )
         validate_pp(d)
+        if pp > 1 and cp > 1:
+            raise ValueError(
+                f"dist.pp.size={pp} with dist.cp.size={cp}: pipeline and context parallelism do not compose yet (the "
+                "pipeline's stages run outside the sequence split); use one of them, e.g. dist.cp with dist.fsdp"
+            )
         if sorted(d.topology) not in (["dp", "fsdp"], ["dp", "fsdp", "tp"]):
             raise ValueError(
                 f"dist.topology must be a permutation of ['dp', 'fsdp'] or of ['dp', 'fsdp', 'tp'], got "
