@@ -160,7 +160,10 @@ def moe_aux_loss() -> dict:
 
     config = cp_config()
     config.dist.fsdp.wrap_layer_cls = {"MixtralDecoderLayer"}
-    model, loader = torchacc.accelerate(moe_with_aux_loss(), DataLoader(token_dataset(4), batch_size=4), config)
+    try:
+        model, loader = torchacc.accelerate(moe_with_aux_loss(), DataLoader(token_dataset(4), batch_size=4), config)
+    except ValueError as exc:
+        return {"error": str(exc)}
     batch = next(iter(loader))
     loss = model(**{k: v for k, v in batch.items() if k != "index"}).loss
     return {"loss": loss.item(), "indices": batch["index"].tolist()}
@@ -175,9 +178,12 @@ DYNAMIC_ROPE = dict(
 
 def dynamic_rope() -> dict:
     """The CP 2 loss and this rank's chunk of logits of a Llama with dynamic NTK rope scaling on 2 sequences."""
-    model, loader = torchacc.accelerate(
-        tiny_llama(seed=0, **DYNAMIC_ROPE), DataLoader(token_dataset(2), batch_size=2), cp_config()
-    )
+    try:
+        model, loader = torchacc.accelerate(
+            tiny_llama(seed=0, **DYNAMIC_ROPE), DataLoader(token_dataset(2), batch_size=2), cp_config()
+        )
+    except ValueError as exc:
+        return {"error": str(exc)}
     batch = next(iter(loader))
     output = model(**{k: v for k, v in batch.items() if k != "index"})
     return {"loss": output.loss.item(), "logits": output.logits.detach(), "indices": batch["index"].tolist()}

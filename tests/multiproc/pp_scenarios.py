@@ -210,7 +210,10 @@ def moe_aux_loss() -> dict:
     """One train_step of moe_with_aux_loss() at PP 2 on the first 4 samples: the loss every rank returns."""
     config = pp_config(microbatches=2)
     config.dist.fsdp.wrap_layer_cls = {"MixtralDecoderLayer"}
-    model = torchacc.accelerate(moe_with_aux_loss(), config=config)
+    try:
+        model = torchacc.accelerate(moe_with_aux_loss(), config=config)
+    except ValueError as exc:
+        return {"error": str(exc)}
     ids = torch.stack([s["input_ids"] for s in token_dataset(4)])
     return {"loss": torchacc.train_step(model, {"input_ids": ids, "labels": ids}).item()}
 

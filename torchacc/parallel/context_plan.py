@@ -71,6 +71,7 @@ def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_siz
             f"dist.cp splits causal (decoder) attention, but {name}.{bidirectional[0]} attends both ways "
             "(is_causal=False); train this model without context parallelism (dist.cp.size=1)"
         )
+    _refuse_chunk_dependent_config(model)
     sliding = _sliding_layers(model, attention)
     if sliding and method == "ring":
         raise ValueError(
@@ -96,6 +97,26 @@ def resolve_context_parallel(model: nn.Module, *, size: int, method: str, tp_siz
                 f"each attend with a share of the heads; choose dist.cp.size in {choices}"
             )
     return CPPlan(size=size, method=method, attn_implementation=implementation, sliding_layers=sliding)
+
+
+def _refuse_chunk_dependent_config(model: nn.Module) -> None:
+    """Refuse what a rank would compute from its chunk alone where one process uses the whole sequence."""
+    name = type(model).__name__
+    config = model.config
+    config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"dist.cp: {name} adds its routers' load-balancing loss to the loss (config.output_router_logits=True); "
+            "under context parallelism each rank would compute it on its chunk and the loss would count it "
+            "wrongly; build the model with output_router_logits=False or train it with dist.cp.size=1"
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+        raise ValueError(
+            f"dist.cp: {name} uses dynamic NTK rope scaling (rope_type='dynamic'), which scales the rotary "
+            "frequencies by the longest position it sees: each chunk would scale by its own positions; use "
+            "another rope_type or train it with dist.cp.size=1"
+        )
 
 
 def _sliding_layers(model: nn.Module, attention: list[tuple[str, nn.Module]]) -> frozenset[int]:

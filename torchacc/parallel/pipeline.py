@@ -188,6 +188,12 @@ def plan_pipeline(
                 f"dist.pp: {name} is neither in the embedding, a block, the final norm nor the head of "
                 f"{type(model).__name__}, so no stage can hold it; train this model with dist.pp.size=1"
             )
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(
+            f"dist.pp: {type(model).__name__} adds its routers' load-balancing loss to the loss "
+            "(config.output_router_logits=True), but the pipeline's last stage computes the causal-LM loss of the "
+            "logits only; build the model with output_router_logits=False or train it with dist.pp.size=1"
+        )
     for alias, owner in tied_names(model.named_parameters(remove_duplicate=False)).items():
         if alias.startswith(f"{head_name}.") != owner.startswith(f"{head_name}."):
             raise ValueError(
