@@ -194,7 +194,8 @@ def run_torchrun(
     tail: list[str] = []
     for line in proc.stdout or ():
         if line.startswith(RESULT_PREFIX):
-            results.append(json.loads(line[len(RESULT_PREFIX) :]))
+            # two ranks writing at once can share a line: each record starts with the prefix
+            results.extend(json.loads(part) for part in line.strip().split(RESULT_PREFIX) if part)
             continue
         tail = [*tail[-200:], line]
         if echo:
