@@ -20,7 +20,7 @@ setup(
     install_requires=["torch>=2.6", "omegaconf>=2.4", "tqdm"],
     extras_require={
         "hf": ["transformers", "datasets"],
-        "dev": ["pytest", "ruff"],
+        "dev": ["pytest", "pytest-xdist", "ruff"],
         "bench": ["matplotlib"],
         **METRICS,
         "metrics": sorted({req for reqs in METRICS.values() for req in reqs}),  # every sink and the plot

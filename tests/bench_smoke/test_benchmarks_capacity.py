@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "capacity.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "capacity.py"
 
 
 def test_capacity_quick():
