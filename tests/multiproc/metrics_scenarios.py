@@ -77,14 +77,8 @@ def fsdp_all_sinks(out: str) -> dict:
     return seen
 
 
-def tp_tokens() -> dict:
-    """Tensor parallelism over 2 ranks: both see the same batches, which count once."""
-    config = torchacc.Config()
-    config.dist.tp.size = 2
-    config.dist.timeout = 120.0
-    config.metrics.every = 2
-    config.metrics.sinks = set()
-    model, loader = torchacc.accelerate(tiny_llama(seed=0), DataLoader(token_dataset(32), batch_size=BATCH), config)
+def _two_logged_steps(model: torch.nn.Module, loader: DataLoader) -> dict:
+    """Two AdamW steps with metrics every 2 steps: each step's loss and full gradient norm, and the record."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen: dict[str, list] = {"losses": [], "norms": []}
     for batch in itertools.islice(loader, 2):
@@ -97,6 +91,17 @@ def tp_tokens() -> dict:
     seen["record"] = torchacc.last_metrics()
     close_metrics()
     return seen
+
+
+def tp_tokens() -> dict:
+    """Tensor parallelism over 2 ranks: both see the same batches, which count once."""
+    config = torchacc.Config()
+    config.dist.tp.size = 2
+    config.dist.timeout = 120.0
+    config.metrics.every = 2
+    config.metrics.sinks = set()
+    model, loader = torchacc.accelerate(tiny_llama(seed=0), DataLoader(token_dataset(32), batch_size=BATCH), config)
+    return _two_logged_steps(model, loader)
 
 
 def strategy_accumulation() -> dict:
@@ -137,18 +142,7 @@ def hsdp_metrics() -> dict:
     config.metrics.every = 2
     config.metrics.sinks = set()
     model, loader = torchacc.accelerate(tiny_gpt2(seed=0), DataLoader(token_dataset(32), batch_size=BATCH), config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    seen: dict[str, list] = {"losses": [], "norms": []}
-    for batch in itertools.islice(loader, 2):
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        loss.backward()
-        seen["norms"].append(full_grad_norm(model))
-        seen["losses"].append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
-    seen["record"] = torchacc.last_metrics()
-    close_metrics()
-    return seen
+    return _two_logged_steps(model, loader)
 
 
 def _layout_run(config: torchacc.Config, model: torch.nn.Module, dataset: list, *, batch_size: int) -> dict:
