@@ -69,25 +69,29 @@ class TinyNet(nn.Module):
         return self.head(x)
 
 
+# The sizes of every tiny decoder: 2 layers, 4 query and 2 key/value heads of 16 dimensions, hidden size 64.
+TINY_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    bos_token_id=VOCAB - 1,
+    eos_token_id=VOCAB - 1,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_llama(seed: int = 0, kind: str = "llama", **overrides):
     """A 2-layer Llama-style decoder (``kind``: "llama" or "qwen2"), 4 query and 2 key/value heads: its tensor-
     parallel plan (``model.tp_plan``) comes with the model."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    cfg = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
+    cfg = dict(TINY_DECODER)
     cfg.update(overrides)
     torch.manual_seed(seed)
     return model_cls(config_cls(**cfg))
@@ -123,19 +127,7 @@ def tiny_decoder(family: str, seed: int = 0, **overrides):
     import transformers
 
     config_name, model_name, extra = DECODERS[family]
-    cfg = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
+    cfg = dict(TINY_DECODER)
     cfg.update(extra)
     cfg.update(overrides)
     torch.manual_seed(seed)
