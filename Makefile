@@ -25,7 +25,7 @@ demo: setup
 # Two pytest workers, a test file each at a time (--dist loadfile: a file's launches share their fixtures): most
 # tests leave a core idle (one process, or ranks waiting on each other). One worker took 16m48s (2026-11-25).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

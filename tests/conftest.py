@@ -31,3 +31,41 @@ requires_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs 2 CUDA devices for the NCCL path",
 )
+
+
+# The files that take longest, longest first (CPU seconds on a quiet 2-core machine, 2026-11-25). `make test` runs
+# two pytest workers that take a file at a time in collection order (--no-loadscope-reorder: xdist would otherwise
+# start the files with the most tests first and leave the longest, one-test files for the end, on one worker).
+SLOWEST_FIRST = (
+    "multiproc/test_matrix.py",
+    "e2e/test_examples.py",
+    "docs/test_docs.py",
+    "bench_smoke/test_benchmarks_training.py",
+    "bench_smoke/test_benchmarks.py",
+    "bench_smoke/test_benchmarks_capacity.py",
+    "unit/test_planning.py",
+    "e2e/test_multinode.py",
+    "reliability/test_rank_failures.py",
+    "multiproc/test_memory_report.py",
+    "unit/test_process_group.py",
+    "multiproc/test_cli_export.py",
+    "multiproc/test_parity.py",
+    "multiproc/test_metrics_ranks.py",
+    "reliability/test_elastic_restart.py",
+    "multiproc/test_tp.py",
+    "multiproc/test_checkpoint.py",
+    "multiproc/test_resume.py",
+    "multiproc/test_scale.py",
+    "multiproc/test_pp.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    tests_dir = Path(__file__).parent
+
+    def file_rank(item: pytest.Item) -> int:
+        relative = Path(item.path).relative_to(tests_dir).as_posix() if tests_dir in Path(item.path).parents else ""
+        return rank.get(relative, len(SLOWEST_FIRST))
+
+    items.sort(key=file_rank)  # stable: the order inside a file, and of the other files, is kept

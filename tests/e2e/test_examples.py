@@ -55,25 +55,6 @@ def final_losses(stdout: str) -> tuple[float, float, int]:
     return float(match.group(1)), float(match.group(2)), int(match.group(3))
 
 
-def test_gpt2_example_trains_under_torchrun(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE)]
-    # A cold datasets cache, so that both ranks run the dataset's map() (a warm cache draws no bars at all).
-    metrics = tmp_path / "metrics"
-    out = run(
-        cmd + ["--steps", "30", "--metrics_dir", str(metrics)], HF_DATASETS_CACHE=str(tmp_path / "datasets-cache")
-    )
-    first, last, ranks = final_losses(out)
-    assert ranks == 2
-    assert last < 0.6 * first
-    assert out.count(" after 30 steps on ") == 1  # the summary line: rank 0's only
-    # a metrics line every 5 steps, rank 0's only; where the records and their plot are
-    assert [line.split(" | ")[0] for line in out.splitlines() if " | loss " in line] == [
-        f"step {s}" for s in range(5, 31, 5)
-    ]
-    assert f"metrics: {metrics / 'metrics.jsonl'}" in out and f"plot: {metrics / 'metrics.png'}" in out
-    assert len((metrics / "metrics.jsonl").read_text().splitlines()) == 6 and (metrics / "metrics.png").is_file()
-
-
 def test_gpt2_example_runs_as_one_process_without_torchrun(tmp_path):
     out = run([sys.executable, str(EXAMPLE), "--steps", "8", "--metrics_dir", str(tmp_path)])
     first, last, ranks = final_losses(out)
@@ -128,6 +109,8 @@ def test_yaml_config_is_the_default_run_of_train_gpt2():
 
 
 def test_consolidate_sh_trains_from_yaml_consolidates_exports_and_generates(tmp_path):
+    """The main example under torchrun (2 ranks, a cold datasets cache so that both ranks run map()), from its
+    YAML with overrides, then the offline tools on its shards."""
     venv_bin = str(Path(sys.executable).parent)
     env = {
         **os.environ,
@@ -135,7 +118,7 @@ def test_consolidate_sh_trains_from_yaml_consolidates_exports_and_generates(tmp_
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
-        "STEPS": "4",
+        "STEPS": "10",
         "OVERRIDES": "memory.gc=true dataloader.seed=3",
         "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"),
     }
@@ -145,7 +128,14 @@ def test_consolidate_sh_trains_from_yaml_consolidates_exports_and_generates(tmp_
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{out[-3000:]}\n{proc.stderr[-6000:]}"
     assert_quiet(out + proc.stderr)
     assert "gc: true" in out and "seed: 3" in out and "- GPT2Block" in out  # the YAML, then the overrides
-    assert "after 4 steps on 2 rank(s)" in out
+    first, last, ranks = final_losses(out)
+    assert ranks == 2 and last < first
+    assert out.count(" after 10 steps on ") == 1  # the summary line: rank 0's only
+    # a metrics line every 5 steps (the YAML's metrics.every), rank 0's only; where the records and their plot are
+    assert [line.split(" | ")[0] for line in out.splitlines() if " | loss " in line] == ["step 5", "step 10"]
+    metrics = tmp_path / "metrics"
+    assert f"metrics: {metrics / 'metrics.jsonl'}" in out and f"plot: {metrics / 'metrics.png'}" in out
+    assert len((metrics / "metrics.jsonl").read_text().splitlines()) == 2 and (metrics / "metrics.png").is_file()
     shards = tmp_path / "shards"
     assert {p.name for p in shards.glob("rank-*")} == {
         f"rank-{r}-of-2-{k}.pth" for r in (0, 1) for k in ("model", "optim")

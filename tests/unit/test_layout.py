@@ -126,3 +126,10 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_no_module_is_over_300_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in _modules() if (n := len(p.read_text().splitlines())) > 300}
     assert not long, long
+
+
+def test_the_test_files_started_first_exist():
+    from conftest import SLOWEST_FIRST
+
+    tests_dir = Path(__file__).resolve().parents[1]
+    assert [name for name in SLOWEST_FIRST if not (tests_dir / name).is_file()] == []

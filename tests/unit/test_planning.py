@@ -392,7 +392,9 @@ def test_planner_pipeline_and_context_rows_match_full_fake_steps():
                         seq_len=SEQ, axes=axes, num_workers=1)  # fmt: skip
     assert sorted(row.candidate.label for row in plan.layouts) == [
         "fsdp=2 x cp=2", "fsdp=2 x cp=2, AC every block", "pp=2 x fsdp=2", "pp=2 x fsdp=2, AC every block"]  # fmt: skip
-    for row in plan.layouts:
+    # Two of the four rows against full fake steps (each costs seconds): each axis once, each AC setting once.
+    checked = {"pp=2 x fsdp=2", "fsdp=2 x cp=2, AC every block"}
+    for row in (row for row in plan.layouts if row.candidate.label in checked):
         full = torchacc.estimate_memory(llama_config(5), row.config, world_size=4, micro_batch_size=2, seq_len=SEQ)
         scaled = row.estimate
         assert (scaled.rank, scaled.parameters, scaled.gradients, scaled.optimizer_state) == (
