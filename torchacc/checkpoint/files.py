@@ -1,8 +1,5 @@
-"""``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable.
-
-[Note: checksums] ``torch.save`` writes a zip archive that records a CRC-32 of every member, so a
-truncated or bit-flipped file is detected by ``verify_file`` without any sidecar file.
-"""
+"""``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable (``verify_file``
+checks the CRC-32 that ``torch.save``'s zip records for every member: no sidecar file)."""
 
 import os
 import pickle
