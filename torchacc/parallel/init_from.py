@@ -1,5 +1,5 @@
 """``dist.fsdp.init_from``: fill a (sharded) model's tensors from a consolidated ``.pth`` or a Hugging Face
-directory. Rank 0 reads the checkpoint a group of tensors at a time (one file at most, about ``GROUP_BYTES``)
+directory. Rank 0 reads the checkpoint a group of tensors at a time (one file at most, about 1 GiB)
 and torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each tensor to every rank, which keeps
 its own slice: no rank holds the whole state dict, and the other ranks need not see the file (a node-local disk).
 
@@ -27,9 +27,9 @@ from .._utils.tied import tied_names
 from ..distributed import env
 from ..distributed.collectives import all_gather_object, broadcast, raise_on_any_rank
 
-__all__ = ["load_weights", "local_slices", "GROUP_BYTES"]
+__all__ = ["load_weights", "local_slices"]
 
-GROUP_BYTES = 1 << 30  # what rank 0 reads before sending it: one group of tensors
+_GROUP_BYTES = 1 << 30  # what rank 0 reads before sending it: one group of tensors
 _WHAT = "loading dist.fsdp.init_from"
 
 
@@ -168,13 +168,13 @@ def _check(everyone: list[tuple[dict, dict]], specs: dict[str, _Spec], path: str
 
 
 def _groups(sources: dict[str, str], specs: dict[str, _Spec]) -> list[list[str]]:
-    """The model's keys in groups that rank 0 reads and sends at once: from one file, about ``GROUP_BYTES``."""
+    """The model's keys in groups that rank 0 reads and sends at once: from one file, about ``_GROUP_BYTES``."""
     groups: list[list[str]] = []
     size, file = 0, None
     for key in sorted(sources, key=lambda k: specs[sources[k]].file):
         spec = specs[sources[key]]
         num_bytes = torch.Size(spec.shape).numel() * spec.dtype.itemsize
-        if not groups or spec.file != file or size + num_bytes > GROUP_BYTES:
+        if not groups or spec.file != file or size + num_bytes > _GROUP_BYTES:
             groups.append([])
             size, file = 0, spec.file
         groups[-1].append(key)
