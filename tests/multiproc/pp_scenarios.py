@@ -180,6 +180,19 @@ def meta_init(config: torchacc.Config) -> dict[str, torch.Tensor]:
     return full_state(torchacc.accelerate(model, config=config))
 
 
+def init_from(out: str) -> dict[str, torch.Tensor]:
+    """This rank's stages of a meta Llama filled by ``dist.fsdp.init_from`` (rank 0 reads and sends every stage's
+    tensors); the file holds ``model_of("llama", seed=11)``."""
+    path = os.path.join(out, "init.pth")
+    if torchacc.dist.rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        torch.save({"model": model_of("llama", seed=11).state_dict()}, path)
+    torchacc.dist.barrier()
+    config = pp_config()
+    config.dist.fsdp.init_from = path
+    return meta_init(config)
+
+
 def moe_with_aux_loss(seed: int = 0) -> torch.nn.Module:
     """A tiny Mixtral that adds its routers' load-balancing loss to the loss (``output_router_logits=True``, as MoE
     training does), with NUM_LAYERS blocks."""
@@ -255,6 +268,7 @@ def two_rank_suite(out: str) -> dict:
     return {
         "meta_pp2_rank_seeds": meta_init(pp_config()),
         "meta_pp2_interleaved_rank_seeds": meta_init(pp_config(schedule="Interleaved1F1B", stages_per_rank=2)),
+        "init_from_pp2": init_from(out),
         "pp2_llama_1f1b": train(pp_config()),
         "pp2_qwen2_gpipe": train(pp_config(kind="qwen2", schedule="GPipe"), kind="qwen2"),
         "pp2_llama_interleaved": train(pp_config(schedule="Interleaved1F1B", stages_per_rank=2)),

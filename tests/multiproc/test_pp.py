@@ -103,6 +103,19 @@ def test_meta_init_under_a_pipeline_equals_one_process(request, suite, layout):
     assert union.keys() == reference.keys()
 
 
+def test_init_from_fills_every_pipeline_stage_from_rank_zeros_reads(two):
+    """Rank 0 reads the file for every stage (its own and the others'): each rank gets its stages' tensors."""
+    from pp_scenarios import model_of
+
+    expected = model_of("llama", seed=11).state_dict()
+    union: dict[str, torch.Tensor] = {}
+    for result in two:
+        for key, value in result["init_from_pp2"].items():
+            assert torch.equal(value, expected[key]), key
+            union[key] = value
+    assert union.keys() == expected.keys() and len(two[0]["init_from_pp2"]) < len(expected)
+
+
 def test_pp2_1f1b_matches_one_process_and_each_stage_holds_its_part(two):
     results = [r["pp2_llama_1f1b"] for r in two]
     _assert_parity(results)

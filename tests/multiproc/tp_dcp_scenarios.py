@@ -81,8 +81,8 @@ def counting_reads(counts: dict[str, int]) -> Any:
     def open_source(path: str) -> Any:
         keys, read = original(path)
 
-        def counted(key: str, index: tuple[slice, ...]) -> torch.Tensor:
-            value = read(key, index)
+        def counted(key: str) -> torch.Tensor:
+            value = read(key)
             counts["read"] += value.numel()
             return value
 

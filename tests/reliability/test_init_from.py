@@ -2,9 +2,9 @@
 
 A checkpoint of a bigger model must not load cut to its leading block, nor a smaller one fail with a size
 error naming no key: every rank raises a ValueError naming the key, both shapes and dtypes and the file, before
-any rank reads a tensor. A floating-point dtype may differ (converted). A read failing halfway on one rank is
-an error on every rank within seconds, not after ``dist.timeout``. One 2-rank launch runs every case, where
-every rank reads its slices and where only rank 0 can read the file (see init_from_scenarios.py).
+any rank reads a tensor. A floating-point dtype may differ (converted). A read failing halfway on rank 0 (the one
+that reads) is an error on every rank within seconds, not after ``dist.timeout``. One 2-rank launch runs every
+case, where every rank sees the file and where only rank 0 does (see init_from_scenarios.py).
 """
 
 from pathlib import Path
@@ -78,7 +78,7 @@ def test_an_integer_tensor_for_a_float_one_is_refused(ranks, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_read_failing_halfway_raises_on_every_rank_quickly(ranks, mode):
     results = [r[f"{mode}/read-fails"] for r in ranks]
-    reader = 0 if mode == "rank0" else 1
+    reader = 0  # only rank 0 reads, in both modes
     for result in results:
         assert result["type"] == "ValueError", result
         assert f"rank {reader}: dist.fsdp.init_from=" in result["message"]

@@ -32,7 +32,7 @@ from .optimizer import optim_state_dict
 from .rng import get_rng_state
 from .writing import save_dcp, wait_for_save
 
-__all__ = ["save_checkpoint", "save_state", "layout_of", "pipeline_group_of", "FORMAT", "LATEST"]
+__all__ = ["save_checkpoint", "save_state", "layout_of", "gather_stages", "FORMAT", "LATEST"]
 
 LATEST = directory.LATEST
 FORMAT = "torchacc-dcp/2"  # 1: non-tensor entries pickled, one extra for all ranks
@@ -146,21 +146,22 @@ def layout_of(model: nn.Module) -> str:
     return f"{env.world_size()} rank(s)" + (f", {accelerated.layout.dims.describe()}" if accelerated else "")
 
 
-def pipeline_group_of(model: nn.Module) -> dist.ProcessGroup | None:
-    """The process group of ``model``'s pipeline (the ranks holding its other stages), or None without one."""
+def gather_stages(model: nn.Module, obj: Any) -> list[Any] | None:
+    """``obj`` of each pipeline stage of ``model`` (every rank of its pipeline group must call it), or None
+    without a pipeline."""
     state = accelerated_state(model)
     if state is None or state.layout.dims.pp == 1 or state.mesh is None:
         return None
-    return state.mesh.get_group("pp")
+    stages: list[Any] = [None] * state.layout.dims.pp
+    dist.all_gather_object(stages, obj, group=state.mesh.get_group("pp"))
+    return stages
 
 
 def _merged_groups(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` with the other pipeline stages' parameter names added: see [Note: pipeline checkpoints]."""
-    group = pipeline_group_of(model)
-    if group is None:
+    stages = gather_stages(model, groups)
+    if stages is None:
         return groups
-    stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, groups, group=group)
     merged = [{**g, "params": []} for g in stages[0]]
     for stage in stages:
         if len(stage) != len(merged):

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -17,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from .._utils.logging import warn_once
 from ..distributed import env
 from . import storage
-from .dcp import LATEST, layout_of, pipeline_group_of
+from .dcp import LATEST, gather_stages, layout_of
 from .directory import latest_checkpoint, require_latest
 from .optimizer import load_optim_state_dict, named_parameters
 from .rng import set_rng_state
@@ -206,11 +205,7 @@ def _restore_rng(rng: dict[str, Any], saved: str | None, model: nn.Module, path:
 
 def _other_stages_keys(model: nn.Module, own: dict[str, Any]) -> set[str]:
     """The ``model/`` keys that the other pipeline stages of ``model`` hold (empty without a pipeline)."""
-    group = pipeline_group_of(model)
-    if group is None:
-        return set()
-    stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, sorted(own), group=group)
+    stages = gather_stages(model, sorted(own)) or []
     return {key for keys in stages for key in keys} - set(own)
 
 
@@ -249,19 +244,14 @@ def _template(param: torch.Tensor | None, meta: Any, name: str, path: str) -> An
 
 def dcp_source(path: str, prefix: str = "model/") -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Any]:
     """The tensors under ``prefix`` of a ``save_checkpoint`` directory, read one at a time without running code."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .storage import SafeLoadPlanner, SafeReader
-
-    saved = SafeReader(path).read_metadata().state_dict_metadata
+    saved = storage.SafeReader(path).read_metadata().state_dict_metadata
     keys = {k.removeprefix(prefix): k for k, m in saved.items() if k.startswith(prefix)}
     tensors = {n: saved[k] for n, k in keys.items() if isinstance(saved[k], TensorStorageMetadata)}
     layout = {n: (tuple(meta.size), meta.properties.dtype) for n, meta in tensors.items()}
 
     def read(name: str) -> torch.Tensor:
         box = {keys[name]: torch.empty(layout[name][0], dtype=layout[name][1])}
-        load(box, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(box, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner(), no_dist=True)
         return box[keys[name]]
 
     return layout, read

@@ -1,12 +1,8 @@
-"""``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable.
-
-[Note: checksums] ``torch.save`` writes a zip archive that records a CRC-32 of every member, so a
-truncated or bit-flipped file is detected by ``verify_file`` without any sidecar file.
-"""
+"""``torchacc.save`` / ``torchacc.load``: TorchAcc's checkpoint file helpers, atomic and verifiable (``verify_file``
+checks the CRC-32 that ``torch.save``'s zip records for every member: no sidecar file)."""
 
 import os
 import pickle
-import re
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +17,7 @@ from ..distributed.collectives import all_gather_object, meet, raise_on_any_rank
 from ._format.file_ranges import corrupt_member_message, file_crc32
 from ._format.zip import record_table
 from .state import gather_full
-from .storage import refusal
+from .storage import refusal, unpickling_detail
 
 __all__ = ["save", "load", "verify_file"]
 
@@ -132,14 +128,9 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = Fal
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
     except Exception as exc:  # the unpickler raises anything from KeyError to EOFError on a damaged file
         if weights_only and isinstance(exc, pickle.UnpicklingError) and "GLOBAL" in str(exc):
-            raise refusal(path, _unsupported_global(exc)) from None
+            raise refusal(path, unpickling_detail(exc)) from None
         detail = " ".join(str(exc).split())[:300]
         raise ValueError(f"{path}: cannot be read as a torch checkpoint (truncated or corrupt?): {detail}") from None
-
-
-def _unsupported_global(exc: BaseException) -> str:
-    found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", str(exc))
-    return found.group(1) if found else str(exc).splitlines()[0]
 
 
 def verify_file(path: str | os.PathLike[str], *, members: Callable[[str], bool] | None = None) -> None:

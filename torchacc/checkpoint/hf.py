@@ -30,25 +30,23 @@ SAVE_CONFIG_HINT = (
 )
 
 
-def _dict_source(state: dict[str, torch.Tensor]) -> Source:
-    aliases = tied_names(state.items())  # a tied weight is written once: from_pretrained ties it again
-    original = {canonical_name(key): key for key in state if key not in aliases}
-    return {name: (tuple(state[k].shape), state[k].dtype) for name, k in original.items()}, lambda n: state[original[n]]
+def _dict_source(state: dict[str, torch.Tensor], aliases: dict[str, str] | None = None, read: Any = None) -> Source:
+    """``state``'s tensors, each tied weight once (from_pretrained ties it again), under canonical names."""
+    aliases = tied_names(state.items()) if aliases is None else aliases
+    original = {canonical_name(k): k for k in state if k not in aliases and canonical_name(k) not in aliases}
+    layout = {name: (tuple(state[k].shape), state[k].dtype) for name, k in original.items()}
+    return layout, lambda name: (read or (lambda t: t))(state[original[name]])
 
 
 def _live_source(model: nn.Module) -> Source:
     """Every rank gathers each tensor in turn (a collective); only rank 0 keeps it."""
     require_whole_model(model)
-    aliases = tied_names(model.named_parameters(remove_duplicate=False))
-    state = {k: v for k, v in model.state_dict().items() if canonical_name(k) not in aliases}
 
-    def read(name: str) -> torch.Tensor | None:
-        value = state[original[name]]
+    def gather(value: torch.Tensor) -> torch.Tensor | None:
         value = value.full_tensor() if isinstance(value, DTensor) else value
         return value.detach().cpu() if env.rank() == 0 else None
 
-    original = {canonical_name(key): key for key in state}
-    return {name: (tuple(state[k].shape), state[k].dtype) for name, k in original.items()}, read
+    return _dict_source(model.state_dict(), tied_names(model.named_parameters(remove_duplicate=False)), gather)
 
 
 def _source(src: Any, pattern: str, verify: bool) -> Source:

@@ -105,13 +105,7 @@ def load_optim_state_dict(
     if shard_metadata is not None:
         check_shard_metadata(shard_metadata)
     names, params = _names(model, optimizer), named_parameters(model)
-    sizes = [len(g["params"]) for g in state_dict["param_groups"]]
-    live = [len(g["params"]) for g in optimizer.param_groups]
-    if sizes != live:
-        raise ValueError(
-            f"the saved optimizer has param groups of sizes {sizes} but this one has {live}; build the "
-            "optimizer with the same parameter groups as the run that saved it"
-        )
+    _check_groups(optimizer, state_dict, "build the optimizer with the same parameter groups as the run that saved it")
 
     def name_of(key: Any) -> str:
         name = names[key] if isinstance(key, int) else canonical_name(key)
@@ -202,17 +196,8 @@ def _shard_loaded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, 
     if not any(isinstance(p, DTensor) for p in params):
         return state_dict
     fix = "save it from this model's optimizer, or load name-keyed state with torchacc.load_optim_state_dict"
-    try:
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
-    except (KeyError, TypeError):
-        raise ValueError(f"optimizer.load_state_dict: not an optimizer state dict (no param_groups); {fix}") from None
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(
-            f"optimizer.load_state_dict: the saved state has param groups of sizes {sizes} but this optimizer has "
-            f"{[len(g['params']) for g in optimizer.param_groups]}: it comes from other parameters; {fix}"
-        )
-    by_id = dict(zip(saved_ids, params, strict=True))
+    _check_groups(optimizer, state_dict, fix, what="optimizer.load_state_dict: ")
+    by_id = dict(zip((i for group in state_dict["param_groups"] for i in group["params"]), params, strict=True))
     state = {}
     for index, values in state_dict.get("state", {}).items():
         if (param := by_id.get(index)) is None:
@@ -222,3 +207,16 @@ def _shard_loaded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, 
         name = parameter_name(param, f"#{index}")
         state[index] = {k: shard_like(param, name, k, v) for k, v in values.items()}
     return {**state_dict, "state": state}
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, state_dict: Any, fix: str, *, what: str = "") -> None:
+    """Raise ValueError unless ``state_dict`` has param groups of the sizes of ``optimizer``'s."""
+    try:
+        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+    except (KeyError, TypeError):
+        raise ValueError(f"{what}not an optimizer state dict (no param_groups); {fix}") from None
+    if sizes != (live := [len(g["params"]) for g in optimizer.param_groups]):
+        raise ValueError(
+            f"{what}the saved optimizer has param groups of sizes {sizes} but this one has {live}: it comes from "
+            f"other parameters; {fix}"
+        )

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -238,19 +238,12 @@ def dtensor_like(target: DTensor, value: torch.Tensor, *, local: bool = False) -
     shape is taken as that piece. The one converter for model and optimizer state.
     """
     value = value.to(target.device)
-    if value.shape == target.shape:
-        if all(type(p) in (Shard, Replicate) for p in target.placements):
-            return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-        offset, local_shape = _block(target)  # strided placements: cut this rank's block, as distribute would
-        piece = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))].clone()
-        return DTensor.from_local(
-            piece, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
-        )
-    if local and value.shape == target.to_local().shape:
-        return DTensor.from_local(
-            value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
-        )
-    return None
+    if value.shape == target.shape:  # this rank's block, cut as distribute_tensor would (strided placements too)
+        offset, local_shape = _block(target)
+        value = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))].clone()
+    elif not (local and value.shape == target.to_local().shape):
+        return None
+    return DTensor.from_local(value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride())
 
 
 def _to_dtensor(key: str, value: torch.Tensor, target: DTensor, meta: dict[str, Any] | None) -> DTensor:

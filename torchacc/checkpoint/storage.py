@@ -18,6 +18,7 @@ import io
 import json
 import os
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from ._format.file_ranges import file_crc32
 
 __all__ = ["OPT_IN", "MANIFEST", "UnsafeFileError", "refusal", "encode", "decode", "SafeReader", "SafeLoadPlanner"]
 __all__ += ["checksum_files", "write_manifest", "verify", "describe_failure", "find_short_file", "save_group"]
-__all__ += ["stager"]
+__all__ += ["stager", "unpickling_detail"]
 
 OPT_IN = "weights_only=False"
 MANIFEST = "checksums.json"
@@ -74,12 +75,13 @@ def decode(blob: Any, *, weights_only: bool, what: str) -> Any:
     try:
         return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as exc:
-        raise refusal(what, _first_line(exc)) from None
+        raise refusal(what, unpickling_detail(exc)) from None
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported global" in line]
-    return lines[0] if lines else str(exc).splitlines()[0]
+def unpickling_detail(exc: BaseException) -> str:
+    """The global an ``UnpicklingError`` refused (``Unsupported global: GLOBAL numpy...``), or its first line."""
+    found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", str(exc))
+    return found.group(1) if found else str(exc).splitlines()[0]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -141,11 +143,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         if self.rebuild and metadata is not None:
             paths = metadata.planner_data or {}
-            for key, meta in metadata.state_dict_metadata.items():
+            for key, m in metadata.state_dict_metadata.items():
                 path = paths.get(key, (key,))
                 if path[0] not in state_dict:
-                    value = torch.empty(meta.size, dtype=meta.properties.dtype) if _is_tensor(meta) else None
-                    set_element(state_dict, path, value)
+                    tensor = isinstance(m, TensorStorageMetadata)
+                    set_element(state_dict, path, torch.empty(m.size, dtype=m.properties.dtype) if tensor else None)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -153,15 +155,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=self.weights_only)
         except pickle.UnpicklingError as exc:
-            raise refusal(f"checkpoint entry {fqn!r}", _first_line(exc)) from None
+            raise refusal(f"checkpoint entry {fqn!r}", unpickling_detail(exc)) from None
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes, after its torch.load(weights_only=False)
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
-
-
-def _is_tensor(meta: Any) -> bool:
-    return isinstance(meta, TensorStorageMetadata)
 
 
 def checksum_files(directory: str, names: list[str]) -> dict[str, list[int]]:

@@ -1,11 +1,6 @@
 """The checkpoint half of ``FSDP2Strategy``: full or sharded files, rotating checkpoints, deferred optimizer restore.
-
-It holds no checkpoint code of its own: state goes through torch's state-dict API, files through
-``torchacc.save`` / ``load``, sharded directories through the one DCP save and load (``save_dcp``,
-``load_dcp``), rotating checkpoints through ``save_checkpoint`` / ``load_checkpoint`` (whose rotation
-``max_num`` is), and the export through ``export_hf``. Work that only rank 0 does reports its failure to every
-rank (``raise_on_any_rank``), so no rank waits for a rank 0 that gave up.
-"""
+No checkpoint code of its own: torch's state-dict API, ``torchacc.save`` / ``load``, the one DCP save and load,
+``save_checkpoint``'s directory protocol (``max_num`` is its rotation) and ``export_hf``."""
 
 import os
 import shutil
