@@ -37,6 +37,7 @@ __all__ = ["PipelineRuntime", "attach_pipeline", "is_pipelined", "pipeline_group
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, PipelineRuntime]" = weakref.WeakKeyDictionary()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_SCHEDULES = 4  # schedules kept, one per batch shape: see [Note: a schedule per batch shape]
 _NO_PIPELINE_KWARGS = ("use_cache", "return_dict", "logits_to_keep", "output_hidden_states", "output_attentions")
 
 
@@ -57,13 +58,12 @@ class PipelineRuntime:
         self.group, self.device = group, device
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_stages, self.microbatches = schedule.num_stages, schedule.microbatches
-        stages = [PipelineStage(m, m.index, schedule.num_stages, device, group=group) for m in stage_modules]
-        kwargs = {"loss_fn": self._loss, "scale_grads": False}  # see [Note: pipeline loss]: the losses add up
-        if schedule.schedule == "Interleaved1F1B":
-            self.schedule: Any = ScheduleInterleaved1F1B(stages, schedule.microbatches, **kwargs)
-        else:
-            cls = Schedule1F1B if schedule.schedule == "1F1B" else ScheduleGPipe
-            self.schedule = cls(stages[0], schedule.microbatches, **kwargs)
+        self._kind = schedule.schedule
+        # [Note: a schedule per batch shape] torch's stages learn the shapes they send and receive from their
+        # first step and keep them: a batch of another shape (the smaller last batch of a DataLoader, another
+        # padded length) gets a schedule of its own, built on every rank of the pipeline at the same step (they
+        # all see the batch's shape). The last few are kept, so that alternating shapes do not rebuild each time.
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self.has_first = stage_modules[0].is_first
         self.has_last = stage_modules[-1].is_last
         self.last_rank = (schedule.num_stages - 1) % self.size  # the group rank of the last stage
@@ -71,6 +71,26 @@ class PipelineRuntime:
         self._scale: float = 1.0
         self._losses: list[torch.Tensor] = []
         self._step_hooks: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()
+
+    def schedule_of(self, batch: Mapping[str, Any]) -> Any:
+        """The schedule that runs batches of ``batch``'s shapes (see [Note: a schedule per batch shape])."""
+        shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()) if isinstance(v, torch.Tensor))
+        if shapes in self._schedules:
+            self._schedules.move_to_end(shapes)
+            return self._schedules[shapes]
+        stages = [
+            PipelineStage(m, m.index, self.num_stages, self.device, group=self.group) for m in self.stage_modules
+        ]
+        kwargs = {"loss_fn": self._loss, "scale_grads": False}  # see [Note: pipeline loss]: the losses add up
+        if self._kind == "Interleaved1F1B":
+            schedule: Any = ScheduleInterleaved1F1B(stages, self.microbatches, **kwargs)
+        else:
+            cls = Schedule1F1B if self._kind == "1F1B" else ScheduleGPipe
+            schedule = cls(stages[0], self.microbatches, **kwargs)
+        self._schedules[shapes] = schedule
+        if len(self._schedules) > _MAX_SCHEDULES:
+            self._schedules.popitem(last=False)
+        return schedule
 
     def register_step_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
         """Call ``hook(loss)`` after each ``step`` (each ``train_step``) with the batch's loss, as ``step`` returns
@@ -119,7 +139,7 @@ class PipelineRuntime:
         self._num_items = (labels[..., 1:] != -100).sum()  # the targets of the whole batch: [Note: pipeline loss]
         self._scale, self._losses = scale, []
         args = (input_ids,) if self.has_first else ()
-        self.schedule.step(*args, target=labels if self.has_last else None, **kwargs)
+        self.schedule_of(batch).step(*args, target=labels if self.has_last else None, **kwargs)
         # the first step also runs the stages once to learn the shapes: the last losses are this batch's
         loss = torch.stack(self._losses[-self.microbatches :]).sum() if self.has_last else None
         self._losses = []

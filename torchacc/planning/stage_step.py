@@ -78,7 +78,7 @@ class StageStep:
         self.labels = labels.chunk(self.microbatches)
         self.num_items = (labels[..., 1:] != -100).sum()
         self.stages = {m.index: m for m in runtime.stage_modules}
-        schedule = runtime.schedule
+        self.schedule = schedule = runtime.schedule_of(batch)
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         self.pipeline_stages = {stage.stage_index: stage for stage in stages}
         config = model.config
@@ -103,7 +103,7 @@ class StageStep:
             (stage,) = self.stages
             return [(kind, stage, m) for kind, m in stage_actions(self.schedule_name, stage=stage,
                     num_stages=self.num_stages, microbatches=self.microbatches)]  # fmt: skip
-        order = self.runtime.schedule.pipeline_order[self.runtime.rank]
+        order = self.schedule.pipeline_order[self.runtime.rank]
         found = []
         for action in order:
             kind = getattr(
