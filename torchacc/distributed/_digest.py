@@ -111,8 +111,9 @@ def _fletcher(values: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
 
 
 def _weights(num_values: int, device: torch.device) -> torch.Tensor:
-    """``[ones, 1..num_values]``: an int64 ``[2, num_values]`` view of a matrix cached per device (it grows by
-    doubling; its length is at most twice the largest tensor's number of values, 1/1021 of its words)."""
+    """``[ones, 1..num_values]``: an int64 ``[2, num_values]`` view of a matrix cached per device. It grows by
+    doubling, to at most twice the most values digested at once: under 65,344 for a small tensor or a staged
+    chunk, 1/1021 of the words (plus under 1021) for a large one."""
     weights = _weights_cache.get(device)
     if weights is None or weights.shape[1] < num_values:
         length = max(1024, 1 << (num_values - 1).bit_length())
