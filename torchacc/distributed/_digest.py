@@ -2,7 +2,7 @@
 
 [Note: the tensor digest] The tensor's bytes in row-major order are read as 8-byte words (native byte order),
 ``n`` whole ones and, when the size is not a multiple of 8, a last partial one, zero-padded. A small tensor
-(``n < _MIN_ROWS * _ROW_WORDS``, 512 KiB) is digested word by word; in a large one the first ``n // _ROW_WORDS``
+(``n < _MIN_ROWS * _ROW_WORDS``, about 510 KiB) is digested word by word; in a large one the first ``n // _ROW_WORDS``
 rows of ``_ROW_WORDS`` consecutive words are each replaced by the sum of their words, and the leftover words
 (fewer than a row, and the partial one) follow them. The digest is the Fletcher-style
 pair over that sequence of values ``v``: ``sum(v)`` and ``sum((k + 1) * v[k])``, both modulo 2**64 (int64
@@ -14,10 +14,12 @@ What it detects, between two tensors of the same dtype and shape:
   weights drawn from another seed;
 - values moved to other positions in a small tensor, or between rows (or into or out of the leftover words)
   of a large one: the weighted sum changes, unless the differences were built to cancel;
-- not: values moved within one row of a large tensor (a row holds the same words in another order, so its sum
-  is the same). A row is ``_ROW_WORDS`` = 1021 words; the width is prime so that the rows of a tensor's own
-  shape (powers of two, mostly) fall across the digest's rows, and a permuted large tensor (a ``randperm``
-  buffer, rows or columns swapped) changes some row's sum with overwhelming probability.
+- not: values moved within one row of a large tensor (the row holds the same words in another order, so its
+  sum is the same), e.g. two adjacent rows of a ``[*, 512]`` float32 matrix swapped when both lie inside one
+  digest row. A row is ``_ROW_WORDS`` = 1021 words (about 8 KiB); the width is prime so that the digest's rows
+  cut across a tensor's own rows (mostly powers of two long): swapped tensor rows or columns are caught unless
+  they lie inside one digest row, and a random permutation of a large tensor (a per-rank ``randperm`` buffer)
+  moves values between rows and is caught with overwhelming probability.
 
 It is a checksum, not a cryptographic hash: differences built to cancel can collide. Replacing each row by its
 sum is what makes it cheap: the row sums are one native int64 reduction that streams from memory at the speed of
@@ -32,7 +34,7 @@ import torch
 __all__ = ["tensor_digest"]
 
 _ROW_WORDS = 1021  # prime: see the Note
-_MIN_ROWS = 64  # a tensor of fewer words than _MIN_ROWS * _ROW_WORDS (512 KiB) is digested word by word
+_MIN_ROWS = 64  # a tensor of fewer words than _MIN_ROWS * _ROW_WORDS (~510 KiB) is digested word by word
 # Bytes staged at a time for a non-contiguous or misaligned tensor (whole rows: a multiple of 8 * _ROW_WORDS),
 # also the largest buffer allocated for it.
 _CHUNK_BYTES = 8 * _ROW_WORDS * 128
