@@ -4,9 +4,9 @@
 ``n`` whole ones and, when the size is not a multiple of 8, a last partial one, zero-padded. A small tensor
 (``n < _MIN_ROWS * _ROW_WORDS``, about 510 KiB) is digested word by word; in a large one the first ``n // _ROW_WORDS``
 rows of ``_ROW_WORDS`` consecutive words are each replaced by the sum of their words, and the leftover words
-(fewer than a row, and the partial one) follow them. The digest is the Fletcher-style
-pair over that sequence of values ``v``: ``sum(v)`` and ``sum((k + 1) * v[k])``, both modulo 2**64 (int64
-arithmetic that wraps). The first is the sum of all the words in either case.
+(fewer than a row, and the partial one) follow them. The digest is the Fletcher-style pair over that sequence
+of values ``v``: ``sum(v)`` and ``sum((k + 1) * v[k])``, both modulo 2**64 (int64 arithmetic that wraps). The
+first is the sum of all the words in either case.
 
 What it detects, between two tensors of the same dtype and shape:
 
