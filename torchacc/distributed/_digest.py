@@ -27,6 +27,7 @@ sum is what makes it cheap: the row sums are one native int64 reduction that str
 shorter than the data (benchmarks/README.md, set-up time). The same operations run on any device.
 """
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -66,7 +67,8 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     aligned = tensor.storage_offset() * tensor.element_size() % 8 == 0 and tensor.data_ptr() % 8 == 0
     if tensor.is_contiguous() and aligned:
         if tensor.numel() * tensor.element_size() % 8 == 0:  # the common case, in the fewest calls
-            return _fletcher(_values(tensor.view(-1).view(torch.int64), num_rows=num_rows))
+            words = tensor.view(-1).view(torch.int64)
+            return _fletcher(_values(words, num_rows=num_rows) if num_rows else words)
         return _fletcher(_values_of_bytes(tensor.reshape(-1).view(torch.uint8), num_rows=num_rows))
     # A gathered piece rarely ends on a word boundary: the bytes go through one staging buffer, so every
     # chunk but the last holds whole rows and the positions are those of the contiguous tensor.
@@ -102,8 +104,9 @@ def _values(words: torch.Tensor, *, num_rows: int) -> torch.Tensor:
 
 def _fletcher(values: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
     """``[sum(v), sum((offset + k + 1) * v[k])]`` of int64 ``values``, modulo 2**64."""
-    weights = _weights(values.numel(), values.device)
-    if values.device.type == "cpu":
+    device = values.device
+    weights = _weights(values.numel(), device)
+    if device.type == "cpu":
         pair = torch.mv(weights, values)  # one call: the per-tensor overhead matters for the small tensors
     else:  # no integer matrix-vector product on CUDA
         pair = torch.stack([values.sum(), (values * weights[1]).sum()])
@@ -112,10 +115,11 @@ def _fletcher(values: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
     return pair
 
 
+@functools.lru_cache(maxsize=256)  # a model has few distinct sizes; the slice is a view, kept with its base
 def _weights(num_values: int, device: torch.device) -> torch.Tensor:
     """``[ones, 1..num_values]``: an int64 ``[2, num_values]`` view of a matrix cached per device. It grows by
-    doubling, to at most twice the most values digested at once: under 65,344 for a small tensor or a staged
-    chunk, 1/1021 of the words (plus under 1021) for a large one."""
+    doubling, to at most twice the most values digested at once: under 65,344 for a small tensor (or a chunk of
+    one), 1/1021 of the words (plus under 1021) for a large one."""
     weights = _weights_cache.get(device)
     if weights is None or weights.shape[1] < num_values:
         length = max(1024, 1 << (num_values - 1).bit_length())
