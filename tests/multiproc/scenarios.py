@@ -364,6 +364,7 @@ def _sync_tensors() -> list[torch.Tensor]:
         torch.randint(-9, 9, (5, 3), generator=gen),
         torch.rand(7, generator=gen) > 0.5,
         torch.randn(6, 4, generator=gen).to(torch.float16).t(),
+        torch.randperm(70_000, generator=gen),  # a large tensor: digested by rows of 1021 words
     ]
 
 
@@ -375,6 +376,7 @@ def sync_states() -> dict:
     mixed = _sync_tensors()
     if rank == 1:
         mixed[0][3, [5, 9]] = mixed[0][3, [9, 5]].clone()  # a swap: the same values, in another order
+        mixed[5] = torch.randperm(70_000, generator=torch.Generator().manual_seed(1))  # a per-rank permutation
     sent: list[int] = []
     real_broadcast = dist.broadcast
 

@@ -1,4 +1,5 @@
-"""The per-tensor digest behind ``sync_tensors``: exact on bits, position-sensitive, the same for any layout."""
+"""The per-tensor digest behind ``sync_tensors``: exact on bits, position-sensitive (in a large tensor: between rows
+of 1021 words), the same for any layout."""
 
 import pytest
 import torch
@@ -11,13 +12,20 @@ MASK = (1 << 64) - 1
 
 
 def reference_digest(tensor: torch.Tensor) -> list[int]:
-    """The definition, in Python integers: the bytes as 8-byte words (the last one zero-padded); the sum of the
-    words and the sum of (position + 1) * word, both modulo 2**64 and read as signed int64."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).tolist()
-    data += [0] * (-len(data) % 8)
-    words = [int.from_bytes(bytes(data[i : i + 8]), "little", signed=True) for i in range(0, len(data), 8)]
-    total = sum(words) & MASK
-    weighted = sum((i + 1) * w for i, w in enumerate(words)) & MASK
+    """The definition, in Python integers: the bytes as 8-byte words (the last one zero-padded); in a large tensor
+    each row of ``_ROW_WORDS`` whole words replaced by its sum; the sum of the values and the sum of
+    (position + 1) * value, both modulo 2**64 and read as signed int64."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    num_whole = data.numel() // 8  # a partial last word is never in a row
+    data = torch.cat([data, data.new_zeros(-data.numel() % 8)])
+    words = data.view(torch.int64).tolist()
+    row = _digest._ROW_WORDS
+    values = words
+    if num_whole >= _digest._MIN_ROWS * row:
+        num_rows = num_whole // row
+        values = [sum(words[r * row : (r + 1) * row]) for r in range(num_rows)] + words[num_rows * row :]
+    total = sum(values) & MASK
+    weighted = sum((i + 1) * v for i, v in enumerate(values)) & MASK
     return [v - (1 << 64) if v >= 1 << 63 else v for v in (total, weighted)]
 
 
@@ -91,21 +99,75 @@ def test_chunking_does_not_change_the_digest(monkeypatch):
         torch.randn(70, 45, generator=torch.Generator().manual_seed(6)).t(),
         torch.randn(999, generator=torch.Generator().manual_seed(7)).to(torch.float16)[1:],
     ]
-    full = [digest(t) for t in tensors]
-    monkeypatch.setattr(_digest, "_CHUNK_BYTES", 64)  # many chunks, each spanning several 4-word rows
-    monkeypatch.setattr(_digest, "_ROW_WORDS", 4)
-    assert [digest(t) for t in tensors] == full == [reference_digest(t) for t in tensors]
+    small = [digest(t) for t in tensors]
+    assert small == [reference_digest(t) for t in tensors]
+    monkeypatch.setattr(_digest, "_ROW_WORDS", 5)  # large tensors: rows of 5 words, staged 4 rows at a time
+    monkeypatch.setattr(_digest, "_MIN_ROWS", 3)
+    monkeypatch.setattr(_digest, "_CHUNK_BYTES", 8 * 5 * 4)
+    large = [digest(t) for t in tensors]
+    assert large == [reference_digest(t) for t in tensors] == [digest(t.contiguous()) for t in tensors]
+    assert all(a != b for a, b in zip(large, small, strict=True)), "the rows were not used"
+
+
+def test_the_row_sums_start_at_the_documented_size():
+    threshold = _digest._MIN_ROWS * _digest._ROW_WORDS
+    below, at = torch.arange(threshold - 1), torch.arange(threshold + 7)
+    assert digest(below) == reference_digest(below) and digest(at) == reference_digest(at)
+    swapped = at.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # within the first row: the documented blind spot of a large tensor
+    assert digest(swapped) == digest(at)
+    swapped = below.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # a small tensor is digested word by word
+    assert digest(swapped) != digest(below)
 
 
 def test_tensors_larger_than_a_chunk_match_the_definition():
-    big = torch.randn(300_001, generator=torch.Generator().manual_seed(8))  # 1 MiB chunk, rows, tail, padding
-    odd = torch.randn(600_003, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)[1:]  # misaligned
-    assert digest(big) == reference_digest(big)
-    assert digest(odd) == reference_digest(odd)
+    big = torch.randn(300_001, generator=torch.Generator().manual_seed(8))  # rows, leftover words, padding
+    odd = torch.randn(2_400_003, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)[1:]  # misaligned
+    strided = torch.randn(1100, 1000, generator=torch.Generator().manual_seed(10)).t()  # staged, several chunks
+    for tensor in (big, odd, strided):
+        assert digest(tensor) == reference_digest(tensor)
+
+
+def _large(seed: int) -> torch.Tensor:
+    return torch.randn(4 * _digest._MIN_ROWS * _digest._ROW_WORDS, generator=torch.Generator().manual_seed(seed))
+
+
+def test_what_ranks_differ_in_changes_the_digest_of_a_large_tensor():
+    a = _large(11)
+    assert digest(a) == digest(a.clone()) and digest(a) != digest(_large(12)), "another seed"
+    for position in (0, 1, 2041, a.numel() // 2, a.numel() - 1):
+        changed = a.clone()
+        changed[position] = torch.nextafter(changed[position], torch.tensor(float("inf")))
+        assert digest(changed) != digest(a), position
+        signed = a.clone()
+        signed[position] = 0.0
+        negative = signed.clone()
+        negative[position] = -0.0
+        assert digest(signed) != digest(negative), position
+
+
+def test_permutations_change_the_digest():
+    for n in (1000, 3 * _digest._MIN_ROWS * _digest._ROW_WORDS + 5):  # small (word by word) and large (rows)
+        perms = [torch.randperm(n, generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+        assert len({tuple(digest(p)) for p in perms}) == 4, n
+        assert digest(perms[0].float()) != digest(perms[1].float()), n  # 2 elements a word
+    square = torch.randn(512, 512, generator=torch.Generator().manual_seed(13))  # 256 words a row: the digest's
+    # rows of 1021 words cut across the tensor's rows
+    assert digest(square) != digest(square.t().contiguous())
+    assert digest(square) != digest(square[[5, 1, 2, 3, 4, 0, *range(6, 512)]]), "two rows swapped"
+    assert digest(square) == digest(square[[1, 0, *range(2, 512)]]), "the blind spot: both in one row of 1021 words"
+    assert digest(square) != digest(square[:, [1, 0, *range(2, 512)]]), "two columns swapped"
+    moved = square.clone().view(-1)
+    far = 5 + 4 * _digest._ROW_WORDS  # a word two rows on (2 elements a word)
+    moved[[5, far]] = moved[[far, 5]]
+    assert digest(moved) != digest(square)
 
 
 def test_memory_stays_bounded_for_a_non_contiguous_tensor(monkeypatch):
     wide = torch.randn(2, 300).t()  # one row of the transposed view is small, the whole tensor is 2400 bytes
+    monkeypatch.setattr(_digest, "_CHUNK_BYTES", 256)
+    monkeypatch.setattr(_digest, "_ROW_WORDS", 4)
     expected = reference_digest(wide)
     sizes = []
     real_contiguous = torch.Tensor.contiguous
@@ -114,8 +176,6 @@ def test_memory_stays_bounded_for_a_non_contiguous_tensor(monkeypatch):
         sizes.append(self.numel() * self.element_size())
         return real_contiguous(self, *args, **kwargs)
 
-    monkeypatch.setattr(_digest, "_CHUNK_BYTES", 256)
-    monkeypatch.setattr(_digest, "_ROW_WORDS", 4)
     monkeypatch.setattr(torch.Tensor, "contiguous", spy)
     assert digest(wide) == expected
     assert sizes and max(sizes) <= 256

@@ -1,18 +1,30 @@
 """A cheap digest of a tensor's bytes, so that ranks can find out which tensors differ without sending them.
 
-[Note: the tensor digest] The digest is a Fletcher-style pair over the tensor's bytes in row-major order, read
-as 8-byte words (native byte order, the last word zero-padded): the sum of the words and the sum of
-(position + 1) x word, both modulo 2**64 (int64 arithmetic that wraps). It is exact on bits: -0.0 and 0.0, or
-two NaN payloads, are different words. Any change to a single word changes the sum, and moving values to other
-positions changes the weighted sum. It is a checksum, not a cryptographic hash: differences built to cancel
-can collide.
+[Note: the tensor digest] The tensor's bytes in row-major order are read as 8-byte words (native byte order),
+``n`` whole ones and, when the size is not a multiple of 8, a last partial one, zero-padded. A small tensor
+(``n < _MIN_ROWS * _ROW_WORDS``, about 510 KiB) is digested word by word; in a large one the first ``n // _ROW_WORDS``
+rows of ``_ROW_WORDS`` consecutive words are each replaced by the sum of their words, and the leftover words
+(fewer than a row, and the partial one) follow them. The digest is the Fletcher-style pair over that sequence
+of values ``v``: ``sum(v)`` and ``sum((k + 1) * v[k])``, both modulo 2**64 (int64 arithmetic that wraps). The
+first is the sum of all the words in either case.
 
-The weighted sum needs no position vector as long as the data. A chunk of whole rows is viewed as a matrix
-of ``_ROW_WORDS`` columns, so the word in row r and column c has position ``r * _ROW_WORDS + c + 1`` in it:
-its weighted sum is ``_ROW_WORDS * sum_r r * row_sum[r] + sum_c (c + 1) * column_sum[c]``, from two native
-int64 reductions of the chunk (the second reads it from the cache) and no int64 copy of the data. Row and
-column sums of whole chunks simply add up; a chunk's offset in the tensor comes from Fletcher's running sum
-of the chunks' totals.
+What it detects, between two tensors of the same dtype and shape:
+
+- any change to a single word (the sum changes): a changed element, -0.0 against 0.0, another NaN payload,
+  weights drawn from another seed;
+- values moved to other positions in a small tensor, or between rows (or into or out of the leftover words)
+  of a large one: the weighted sum changes, unless the differences were built to cancel;
+- not: values moved within one row of a large tensor (the row holds the same words in another order, so its
+  sum is the same), e.g. two adjacent rows of a ``[*, 512]`` float32 matrix swapped when both lie inside one
+  digest row. A row is ``_ROW_WORDS`` = 1021 words (about 8 KiB); the width is prime so that the digest's rows
+  cut across a tensor's own rows (mostly powers of two long): swapped tensor rows or columns are caught unless
+  they lie inside one digest row, and a random permutation of a large tensor (a per-rank ``randperm`` buffer)
+  moves values between rows and is caught with overwhelming probability.
+
+It is a checksum, not a cryptographic hash: differences built to cancel can collide. Replacing each row by its
+sum is what makes it cheap: the row sums are one native int64 reduction that streams from memory at the speed of
+``torch.sum`` (no second pass, no int64 copy of the data), and the weighted sum runs over a vector 1021 times
+shorter than the data (benchmarks/README.md, set-up time). The same operations run on any device.
 """
 
 import functools
@@ -22,36 +34,102 @@ import torch
 
 __all__ = ["tensor_digest"]
 
-# Bytes digested at a time (a multiple of 8 * _ROW_WORDS), also the largest buffer allocated for a non-contiguous
-# tensor. 1 MiB (128 rows of 1024 words) stays in a core's L2 cache for the second reduction; 256 KiB was slower
-# (more Python calls per byte) and 2-4 MiB no faster on a 2-core EPYC VM (benchmarks/README.md, set-up time).
-_CHUNK_BYTES = 1 << 20
-_ROW_WORDS = 1024
+_ROW_WORDS = 1021  # prime: see the Note
+_MIN_ROWS = 64  # a tensor of fewer words than _MIN_ROWS * _ROW_WORDS (~510 KiB) is digested word by word
+# Bytes staged at a time for a non-contiguous or misaligned tensor (whole rows: a multiple of 8 * _ROW_WORDS),
+# also the largest buffer allocated for it.
+_CHUNK_BYTES = 8 * _ROW_WORDS * 128
+
+_weights_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     """The digest of ``tensor``'s bytes (see [Note: the tensor digest]); equal tensors give equal digests.
 
-    The digest depends only on the dtype's bytes in row-major order, not on strides or storage offset, and
-    is computed in chunks of at most ``_CHUNK_BYTES``; a non-contiguous tensor is copied one chunk at a time.
+    The digest depends only on the dtype's bytes in row-major order, not on strides or storage offset. A
+    contiguous tensor at an 8-byte aligned address is read in place, in one pass; any other is copied one chunk
+    of at most ``_CHUNK_BYTES`` at a time.
 
     Args:
         tensor: any dtype, shape and layout, on any device (strided, not meta).
 
     Returns:
-        An int64 tensor of shape ``[2]`` on ``tensor``'s device: the sum and the position-weighted sum of the words.
+        An int64 tensor of shape ``[2]`` on ``tensor``'s device: the sum of the values and their weighted sum.
+
+    Example:
+        >>> tensor_digest(torch.zeros(3)).tolist()
+        [0, 0]
     """
     tensor = tensor.detach()
-    digest = _Fletcher(tensor.device)
+    num_words = tensor.numel() * tensor.element_size() // 8  # whole words: a partial last one is never in a row
+    num_rows = num_words // _ROW_WORDS if num_words >= _MIN_ROWS * _ROW_WORDS else 0
     # int64 views need the byte offset into the storage, and the address, to be multiples of 8.
     aligned = tensor.storage_offset() * tensor.element_size() % 8 == 0 and tensor.data_ptr() % 8 == 0
     if tensor.is_contiguous() and aligned:
-        data = tensor.reshape(-1).view(torch.uint8)
-        for start in range(0, data.numel(), _CHUNK_BYTES):
-            digest.update(data[start : start + _CHUNK_BYTES])
-        return digest.result()
+        if tensor.numel() * tensor.element_size() % 8 == 0:  # the common case, in the fewest calls
+            words = tensor.view(-1).view(torch.int64)
+            return _fletcher(_values(words, num_rows=num_rows) if num_rows else words)
+        return _fletcher(_values_of_bytes(tensor.reshape(-1).view(torch.uint8), num_rows=num_rows))
     # A gathered piece rarely ends on a word boundary: the bytes go through one staging buffer, so every
-    # chunk but the last holds whole words and the positions are those of the contiguous tensor.
+    # chunk but the last holds whole rows and the positions are those of the contiguous tensor.
+    parts, offset, num_done = [], 0, 0  # values so far, and rows among them (every chunk but the last is rows)
+    for chunk in _staged_chunks(tensor):
+        rows_here = min(num_rows - num_done, chunk.numel() // (8 * _ROW_WORDS))
+        values = _values_of_bytes(chunk, num_rows=rows_here)
+        parts.append(_fletcher(values, offset=offset))
+        offset, num_done = offset + values.numel(), num_done + rows_here
+    if not parts:
+        return torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
+
+
+def _values_of_bytes(data: torch.Tensor, *, num_rows: int) -> torch.Tensor:
+    """The digest's values of ``data``, contiguous uint8 at an 8-byte aligned address (see :func:`_values`)."""
+    num_whole = data.numel() // 8
+    values = _values(data[: num_whole * 8].view(torch.int64), num_rows=num_rows)
+    if data.numel() % 8 == 0:
+        return values
+    padded = torch.zeros(8, dtype=torch.uint8, device=data.device)
+    padded[: data.numel() % 8] = data[num_whole * 8 :]
+    return torch.cat([values, padded.view(torch.int64)])
+
+
+def _values(words: torch.Tensor, *, num_rows: int) -> torch.Tensor:
+    """The sums of the first ``num_rows`` rows of ``_ROW_WORDS`` int64 ``words``, then the other words."""
+    if not num_rows:
+        return words
+    sums = words[: num_rows * _ROW_WORDS].view(num_rows, _ROW_WORDS).sum(dim=1)
+    return sums if words.numel() == num_rows * _ROW_WORDS else torch.cat([sums, words[num_rows * _ROW_WORDS :]])
+
+
+def _fletcher(values: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
+    """``[sum(v), sum((offset + k + 1) * v[k])]`` of int64 ``values``, modulo 2**64."""
+    device = values.device
+    weights = _weights(values.numel(), device)
+    if device.type == "cpu":
+        pair = torch.mv(weights, values)  # one call: the per-tensor overhead matters for the small tensors
+    else:  # no integer matrix-vector product on CUDA
+        pair = torch.stack([values.sum(), (values * weights[1]).sum()])
+    if offset:
+        pair[1] += offset * pair[0]
+    return pair
+
+
+@functools.lru_cache(maxsize=256)  # a model has few distinct sizes; the slice is a view, kept with its base
+def _weights(num_values: int, device: torch.device) -> torch.Tensor:
+    """``[ones, 1..num_values]``: an int64 ``[2, num_values]`` view of a matrix cached per device. It grows by
+    doubling, to at most twice the most values digested at once: under 65,344 for a small tensor (or a chunk of
+    one), 1/1021 of the words (plus under 1021) for a large one."""
+    weights = _weights_cache.get(device)
+    if weights is None or weights.shape[1] < num_values:
+        length = max(1024, 1 << (num_values - 1).bit_length())
+        positions = torch.arange(1, length + 1, dtype=torch.int64, device=device)
+        weights = _weights_cache[device] = torch.stack([torch.ones_like(positions), positions])
+    return weights[:, :num_values]
+
+
+def _staged_chunks(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``tensor``'s bytes in row-major order, as contiguous uint8 chunks of ``_CHUNK_BYTES`` (the last shorter)."""
     staging = torch.empty(_CHUNK_BYTES, dtype=torch.uint8, device=tensor.device)
     filled = 0
     for piece in _contiguous_pieces(tensor, max(1, _CHUNK_BYTES // tensor.element_size())):
@@ -61,11 +139,10 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
             staging[filled : filled + count].copy_(data[:count])
             filled, data = filled + count, data[count:]
             if filled == _CHUNK_BYTES:
-                digest.update(staging)
+                yield staging
                 filled = 0
     if filled:
-        digest.update(staging[:filled])
-    return digest.result()
+        yield staging[:filled]
 
 
 def _contiguous_pieces(tensor: torch.Tensor, max_numel: int) -> Iterator[torch.Tensor]:
@@ -82,78 +159,3 @@ def _contiguous_pieces(tensor: torch.Tensor, max_numel: int) -> Iterator[torch.T
     step = max_numel // row_numel
     for start in range(0, tensor.shape[0], step):
         yield tensor[start : start + step].contiguous()
-
-
-class _Fletcher:
-    """The running pair of [Note: the tensor digest], fed a tensor's bytes in chunks, in order."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts: list[torch.Tensor] = []  # pairs of the last, partial chunk, at their positions in the tensor
-        self.num_words = 0
-        self.num_chunks = 0  # whole chunks so far, added into the four accumulators below
-        self.rows = self.columns = self.total = self.running = torch.empty(0)
-
-    def update(self, data: torch.Tensor) -> None:
-        """Add ``data``: contiguous uint8 at an 8-byte aligned offset; only the last chunk may be shorter."""
-        if data.numel() == _CHUNK_BYTES:
-            self._add_chunk(data.view(torch.int64).view(-1, _ROW_WORDS))
-            return
-        num_full = data.numel() // 8
-        words = data[: num_full * 8].view(torch.int64)
-        num_rows = words.numel() // _ROW_WORDS
-        if num_rows:
-            matrix = words[: num_rows * _ROW_WORDS].view(num_rows, _ROW_WORDS)
-            row_sums = matrix.sum(dim=1)
-            self._add(row_sums.sum(), _weighted(row_sums, matrix.sum(dim=0)), matrix.numel())
-        tail = words[num_rows * _ROW_WORDS :]
-        if tail.numel():
-            self._add(tail.sum(), _weighted(tail[:0], tail), tail.numel())
-        if data.numel() % 8:
-            padded = torch.zeros(8, dtype=torch.uint8, device=data.device)
-            padded[: data.numel() % 8] = data[num_full * 8 :]
-            word = padded.view(torch.int64)[0]
-            self._add(word, word, 1)
-
-    def _add_chunk(self, matrix: torch.Tensor) -> None:
-        if not self.num_chunks:
-            self.rows, self.columns = matrix.new_zeros(matrix.shape[0]), matrix.new_zeros(_ROW_WORDS)
-            self.total, self.running = matrix.new_zeros(()), matrix.new_zeros(())
-        row_sums = matrix.sum(dim=1)  # first: the row reduction streams from memory faster than the column one
-        self.rows.add_(row_sums)
-        self.columns.add_(matrix.sum(dim=0))
-        self.total.add_(row_sums.sum())
-        self.running.add_(self.total)  # after J chunks: the sum over j of (J - j) * (chunk j's total)
-        self.num_chunks += 1
-        self.num_words += matrix.numel()
-
-    def _add(self, total: torch.Tensor, weighted: torch.Tensor, num_words: int) -> None:
-        """Add the pair of the next ``num_words`` words, ``weighted`` with positions counted from 1 among them."""
-        if self.num_words:
-            weighted = weighted + total * self.num_words
-        self.parts.append(torch.stack([total, weighted]))
-        self.num_words += num_words
-
-    def result(self) -> torch.Tensor:
-        if self.num_chunks:
-            # Chunk j starts after j * chunk_words words: its weighted sum gains j * chunk_words * (its total).
-            offsets = (self.total * self.num_chunks - self.running) * (_CHUNK_BYTES // 8)
-            self.parts.insert(0, torch.stack([self.total, offsets + _weighted(self.rows, self.columns)]))
-        if not self.parts:
-            return torch.zeros(2, dtype=torch.int64, device=self.device)
-        return self.parts[0] if len(self.parts) == 1 else torch.stack(self.parts).sum(dim=0)
-
-
-def _weighted(row_sums: torch.Tensor, column_sums: torch.Tensor) -> torch.Tensor:
-    """The sum of (r * _ROW_WORDS + c + 1) * word[r, c] over a matrix of words, from its row and column sums
-    (a single row shorter than _ROW_WORDS: no row sums, and the words themselves as column sums)."""
-    row_weights, column_weights = _weights(_CHUNK_BYTES // 8 // _ROW_WORDS, _ROW_WORDS, row_sums.device)
-    by_row = (row_sums * row_weights[: row_sums.numel()]).sum() * _ROW_WORDS
-    return by_row + (column_sums * column_weights[: column_sums.numel()]).sum()
-
-
-@functools.lru_cache(maxsize=8)
-def _weights(max_rows: int, num_columns: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices ``0..max_rows-1`` and column positions ``1..num_columns``, as int64 on ``device``."""
-    rows = torch.arange(max_rows, dtype=torch.int64, device=device)
-    return rows, torch.arange(1, num_columns + 1, dtype=torch.int64, device=device)

@@ -167,8 +167,10 @@ def wrap_fsdp(
     for root in [model] if roots is None else roots:
         fully_shard(root, **{**kwargs, "reshard_after_forward": None})  # None: a root keeps them gathered
         root.register_forward_hook(_reshard_without_backward)
-        # a unit prefetches the next units of its own root only (a pipeline stage's blocks)
-        units = [m for _, m in candidates if any(m is sub for sub in root.modules())]
+        # a unit prefetches the next units of its own root only (a pipeline stage's blocks); a set: a scan of
+        # root.modules() per unit was quadratic in the model's modules
+        inside = {id(sub) for sub in root.modules()}
+        units = [m for _, m in candidates if id(m) in inside]
         _set_prefetch(units, forward=forward_prefetch, backward=backward_prefetch)
     return model
 
