@@ -78,9 +78,7 @@ class PipelineRuntime:
         if shapes in self._schedules:
             self._schedules.move_to_end(shapes)
             return self._schedules[shapes]
-        stages = [
-            PipelineStage(m, m.index, self.num_stages, self.device, group=self.group) for m in self.stage_modules
-        ]
+        stages = [PipelineStage(m, m.index, self.num_stages, self.device, group=self.group) for m in self.stage_modules]
         kwargs = {"loss_fn": self._loss, "scale_grads": False}  # see [Note: pipeline loss]: the losses add up
         if self._kind == "Interleaved1F1B":
             schedule: Any = ScheduleInterleaved1F1B(stages, self.microbatches, **kwargs)
