@@ -73,18 +73,33 @@ def run_child(cmd: Sequence[str], *, env: dict[str, str] | None = None, interval
     Raises:
         RuntimeError: the child failed or printed no result; the message holds its stderr.
     """
+    return run_child_results(cmd, env=env, interval=interval)[-1]
+
+
+def run_child_results(
+    cmd: Sequence[str], *, env: dict[str, str] | None = None, interval: float = 0.005
+) -> list[dict[str, Any]]:
+    """``run_child`` for a child that prints several results, one per measurement: every one, each with the
+    sampled peaks of its own window.
+
+    Raises:
+        RuntimeError: the child failed or printed no result; the message holds its stderr.
+    """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with MemorySampler(proc.pid, interval) as sampler:
         stdout, stderr = proc.communicate()
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{stderr[-4000:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    window = (result["t_start"], result["t_end"])
-    result["peak_anon"] = max(sampler.peak("RssAnon", *window), result.get("anon_end", 0))
-    result["peak_file"] = sampler.peak("RssFile", *window)
-    result["num_samples"] = sum(1 for t, _ in sampler.samples if window[0] <= t <= window[1])
-    return result
+    results = []
+    for line in lines:
+        result = json.loads(line[len(RESULT_PREFIX) :])
+        window = (result["t_start"], result["t_end"])
+        result["peak_anon"] = max(sampler.peak("RssAnon", *window), result.get("anon_end", 0))
+        result["peak_file"] = sampler.peak("RssFile", *window)
+        result["num_samples"] = sum(1 for t, _ in sampler.samples if window[0] <= t <= window[1])
+        results.append(result)
+    return results
 
 
 def print_result(result: dict[str, Any]) -> None:
