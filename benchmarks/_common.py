@@ -6,11 +6,13 @@ Memory is read from ``/proc/<pid>/status`` (Linux): ``VmHWM`` is the kernel's ex
 calls (pickling, zip writes, CRC loops) can hold for longer than the sampling interval.
 """
 
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -162,15 +164,16 @@ def machine_summary() -> dict[str, Any]:
             mem = int(f.readline().split()[1]) * 1024
     except OSError:
         mem = 0
-    import torch
-
+    # torch's version from its installed metadata: a driver that needs nothing else from torch skips its import
+    # (seconds of CPU); a torch already imported (one on sys.path ahead of the installed one) wins.
+    torch = sys.modules.get("torch")
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "mem_gib": round(mem / 2**30, 1),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch else importlib.metadata.version("torch"),
     }
 
 
@@ -197,7 +200,6 @@ def run_torchrun(
     Raises:
         RuntimeError: a rank failed or the run took over ``timeout`` seconds; the message holds the output tail.
     """
-    import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
