@@ -61,21 +61,23 @@ ALLOC_ERRORS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Canno
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    t0 = time.monotonic()  # the (first) contender's set-up time includes starting the process group
     dist.init_process_group("gloo")
     for contender in args.contender:  # one, but --quick runs every contender in one job
-        emit_result({"contender": contender, **one_step(contender, args)})
+        emit_result({"contender": contender, **one_step(contender, args, t0)})
         gc.collect()
+        t0 = time.monotonic()
     dist.destroy_process_group()
 
 
-def one_step(contender: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Build ``contender``'s model at ``--layers`` and train one step; this rank's figures."""
+def one_step(contender: str, args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    """Build ``contender``'s model at ``--layers`` and train one step (set-up timed from ``t0``); this rank's
+    figures."""
     import torch
     import torch.distributed as dist
 
     import torchacc
 
-    t0 = time.monotonic()
     rank = dist.get_rank()
     shape = {"n_layer": args.layers, "n_embd": args.width, "n_head": args.width // 64, "vocab": args.vocab}
     if contender == "torchacc":
