@@ -29,7 +29,7 @@ def test_throughput_quick(tmp_path: Path) -> None:
     assert "(a)/(b)" in out and "paired blocks: median (range) of 1" in out, out
     assert "max |loss (a) - loss (b)|" in out and "loader, per batch:" in out, out
     rows = _table_rows(out)
-    assert len(rows) == 1 and rows[0].startswith("| L2-E128 |"), out
+    assert rows and rows[0].startswith("| L2-E128 |"), out
     assert "| L2-E128 | 1 | abcd |" in out, "one round of the four contenders"
 
 
