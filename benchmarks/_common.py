@@ -6,11 +6,13 @@ Memory is read from ``/proc/<pid>/status`` (Linux): ``VmHWM`` is the kernel's ex
 calls (pickling, zip writes, CRC loops) can hold for longer than the sampling interval.
 """
 
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -73,18 +75,33 @@ def run_child(cmd: Sequence[str], *, env: dict[str, str] | None = None, interval
     Raises:
         RuntimeError: the child failed or printed no result; the message holds its stderr.
     """
+    return run_child_results(cmd, env=env, interval=interval)[-1]
+
+
+def run_child_results(
+    cmd: Sequence[str], *, env: dict[str, str] | None = None, interval: float = 0.005
+) -> list[dict[str, Any]]:
+    """``run_child`` for a child that prints several results, one per measurement: every one, each with the
+    sampled peaks of its own window.
+
+    Raises:
+        RuntimeError: the child failed or printed no result; the message holds its stderr.
+    """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with MemorySampler(proc.pid, interval) as sampler:
         stdout, stderr = proc.communicate()
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{stderr[-4000:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    window = (result["t_start"], result["t_end"])
-    result["peak_anon"] = max(sampler.peak("RssAnon", *window), result.get("anon_end", 0))
-    result["peak_file"] = sampler.peak("RssFile", *window)
-    result["num_samples"] = sum(1 for t, _ in sampler.samples if window[0] <= t <= window[1])
-    return result
+    results = []
+    for line in lines:
+        result = json.loads(line[len(RESULT_PREFIX) :])
+        window = (result["t_start"], result["t_end"])
+        result["peak_anon"] = max(sampler.peak("RssAnon", *window), result.get("anon_end", 0))
+        result["peak_file"] = sampler.peak("RssFile", *window)
+        result["num_samples"] = sum(1 for t, _ in sampler.samples if window[0] <= t <= window[1])
+        results.append(result)
+    return results
 
 
 def print_result(result: dict[str, Any]) -> None:
@@ -147,15 +164,16 @@ def machine_summary() -> dict[str, Any]:
             mem = int(f.readline().split()[1]) * 1024
     except OSError:
         mem = 0
-    import torch
-
+    # torch's version from its installed metadata: a driver that needs nothing else from torch skips its import
+    # (seconds of CPU); a torch already imported (one on sys.path ahead of the installed one) wins.
+    torch = sys.modules.get("torch")
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "mem_gib": round(mem / 2**30, 1),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch else importlib.metadata.version("torch"),
     }
 
 
@@ -182,7 +200,6 @@ def run_torchrun(
     Raises:
         RuntimeError: a rank failed or the run took over ``timeout`` seconds; the message holds the output tail.
     """
-    import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

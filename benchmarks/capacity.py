@@ -5,7 +5,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/capacity.py --budget-gib 8                      # every contender (~15 min)
     .venv/bin/python benchmarks/capacity.py --budget-gib 8 --contenders ddp     # one contender at a time: the
     .venv/bin/python benchmarks/capacity.py --budget-gib 8 --contenders torchacc  # table covers all run so far
-    .venv/bin/python benchmarks/capacity.py --quick                             # smoke run (< 1 min), no figures
+    .venv/bin/python benchmarks/capacity.py --quick                             # smoke run: one job, no figures
 
 Contenders (both: ``transformers.GPT2LMHeadModel`` from ``GPT2Config`` of the same width, vocabulary and
 context, fp32, ``torch.optim.AdamW``, one forward/backward/step on one 1x64 sequence per rank, gloo, 2 ranks):
@@ -33,6 +33,7 @@ and for every depth, from the model built on the meta device. The same budget, m
 """
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -58,16 +59,28 @@ ALLOC_ERRORS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Canno
 
 
 def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    t0 = time.monotonic()  # the (first) contender's set-up time includes starting the process group
+    dist.init_process_group("gloo")
+    for contender in args.contender:  # one, but --quick runs every contender in one job
+        emit_result({"contender": contender, **one_step(contender, args, t0)})
+        gc.collect()
+        t0 = time.monotonic()
+    dist.destroy_process_group()
+
+
+def one_step(contender: str, args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    """Build ``contender``'s model at ``--layers`` and train one step (set-up timed from ``t0``); this rank's
+    figures."""
     import torch
     import torch.distributed as dist
 
     import torchacc
 
-    t0 = time.monotonic()
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     shape = {"n_layer": args.layers, "n_embd": args.width, "n_head": args.width // 64, "vocab": args.vocab}
-    if args.contender == "torchacc":
+    if contender == "torchacc":
         with torchacc.init_empty_weights():
             model = gpt2_model(**shape, seq=args.seq)
         params = num_params(model)
@@ -78,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         model = gpt2_model(**shape, seq=args.seq)
         params = num_params(model)
-        bucket_view = args.contender == "ddp-bv"
+        bucket_view = contender == "ddp-bv"
         model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     dist.barrier()
@@ -90,17 +103,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     t2 = time.monotonic()
     status = read_status()
-    emit_result(
-        {
-            "rank": rank,
-            "params": params,
-            "loss": loss.item(),
-            "hwm": status["VmHWM"],
-            "setup_s": t1 - t0,
-            "step_s": t2 - t1,
-        }
-    )
-    dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "params": params,
+        "loss": loss.item(),
+        "hwm": status["VmHWM"],
+        "setup_s": t1 - t0,
+        "step_s": t2 - t1,
+    }
 
 
 def count_worker(args: argparse.Namespace) -> None:
@@ -159,10 +169,14 @@ def _mem_available() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
-def attempt(contender: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One torchrun job under the RSS watchdog; its record: status ok/oom/timeout, peaks, seconds."""
+def attempt(contenders: list[str], layers: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One torchrun job under the RSS watchdog; a record per contender: status ok/oom/timeout, peaks, seconds.
+
+    Several contenders (``--quick``) train one after the other in the one job and share its watchdog peaks.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [os.path.abspath(__file__), "--worker", "--contender", contender, "--layers", str(layers), *shape_args(args)]
+    cmd += [os.path.abspath(__file__), "--worker", "--contender", *contenders, "--layers", str(layers)]
+    cmd += shape_args(args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     budget = args.budget_gib * GIB
     peaks: dict[int, int] = {}  # pid -> sampled peak VmRSS (every process of the job: the agent and the ranks)
@@ -205,6 +219,25 @@ def attempt(contender: str, layers: int, args: argparse.Namespace) -> dict[str, 
     seconds = time.monotonic() - start
     results = sorted((json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")), key=str)
     ranks = sorted((peaks.get(pid, 0) for pid, parent in pids.items() if parent == proc.pid), reverse=True)
+    return [
+        _record(c, layers, args, seconds, ranks, peaks, killed_by, proc.returncode, results, stderr) for c in contenders
+    ]
+
+
+def _record(
+    contender: str,
+    layers: int,
+    args: argparse.Namespace,
+    seconds: float,
+    ranks: list[int],
+    peaks: dict[int, int],
+    killed_by: str,
+    returncode: int,
+    results: list[dict[str, Any]],
+    stderr: str,
+) -> dict[str, Any]:
+    """``contender``'s record of one attempt (see ``attempt``)."""
+    results = [r for r in results if r["contender"] == contender]
     record: dict[str, Any] = {
         "contender": contender,
         "layers": layers,
@@ -217,10 +250,10 @@ def attempt(contender: str, layers: int, args: argparse.Namespace) -> dict[str, 
         raise SystemExit(f"stopped: MemAvailable fell below {RESERVE_GIB} GiB (another job?); attempt {record}")
     if killed_by:
         record.update(status=killed_by, killed=True)
-    elif proc.returncode == 0 and len(results) == 2:
+    elif returncode == 0 and len(results) == 2:
         hwm = [r["hwm"] for r in results]
         record.update(
-            status="ok" if max(hwm) <= budget else "oom",  # a spike between two samples still counts
+            status="ok" if max(hwm) <= args.budget_gib * GIB else "oom",  # a spike between two samples still counts
             peak_rss=sorted(hwm, reverse=True),  # exact
             setup_s=round(max(r["setup_s"] for r in results), 1),
             step_s=round(max(r["step_s"] for r in results), 1),
@@ -231,7 +264,7 @@ def attempt(contender: str, layers: int, args: argparse.Namespace) -> dict[str, 
     elif any(text in stderr for text in ALLOC_ERRORS):
         record["status"] = "oom"
     else:
-        raise SystemExit(f"attempt {record} failed (exit {proc.returncode}):\n{stderr[-6000:]}")
+        raise SystemExit(f"attempt {record} failed (exit {returncode}):\n{stderr[-6000:]}")
     return record
 
 
@@ -249,7 +282,7 @@ def search(contender: str, args: argparse.Namespace, attempts: list[dict[str, An
         print(f"  {contender}: attempts disagree (ok at {lo}, failed at {hi}): noise near the budget", file=sys.stderr)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        record = attempt(contender, mid, args)
+        (record,) = attempt([contender], mid, args)
         attempts.append(record)
         save()
         rss = "/".join(f"{r / GIB:.2f}" for r in record["peak_rss"])
@@ -356,7 +389,11 @@ def plot(attempts: list[dict[str, Any]], best: dict[str, Any], args: argparse.Na
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one tiny attempt per contender (2 GiB, width 256): smoke test")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: every contender at depth 1 (2 GiB, width 256), one after the other in one job; no figures",
+    )
     p.add_argument("--budget-gib", type=float, default=8.0, help="resident memory allowed per rank (default 8)")
     p.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS), help="whom to search")
     p.add_argument("--lo", type=int, default=0, help="a depth taken to fit (the search starts above it)")
@@ -369,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default="", help="PNG path, raw JSON beside it (default out/capacity[-quick].png)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
+    p.add_argument("--contender", nargs="+", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -409,7 +446,9 @@ def main() -> None:
             json.dump({"settings": settings, "runs": runs, "attempts": attempts}, f, indent=1)
 
     started = time.monotonic()
-    for contender in args.contenders:
+    if args.quick:  # the smoke run: every contender at depth 1, one after the other in one job
+        attempts += attempt(list(args.contenders), 1, args)
+    for contender in [] if args.quick else args.contenders:
         search(contender, args, attempts, save)
     save()
     log, table, best = summarize(attempts, args)

@@ -3,12 +3,12 @@
 Run (from the repository root; about 10 minutes on 2 cores for the default 2.15 GB checkpoint and 5 rounds)::
 
     .venv/bin/python benchmarks/consolidate.py            # full: a 2.15 GB GPT-2-like checkpoint, 5 rounds
-    .venv/bin/python benchmarks/consolidate.py --quick    # smoke run: a 50 MB checkpoint, 1 round, < 30 s
+    .venv/bin/python benchmarks/consolidate.py --quick    # smoke run: a 2 MB checkpoint, every variant in one child
 
 It writes a synthetic GPT-2-like checkpoint (nanoGPT parameter names; every parameter sharded on dim 0
 with ``torch.chunk`` sizes and ``model.get_shard_metadata()``-format metadata, as FSDP2 does) as two
 ``rank-{r}-of-2-model.pth`` files plus a DCP copy of the same weights, then times each variant in a
-fresh subprocess so its peak memory is its own:
+fresh subprocess so its peak memory is its own (``--quick``, a smoke run, runs them all in one subprocess):
 
 * ``torchacc return``:    ``torchacc.consolidate(pattern)`` -- the full state dict returned, nothing written
 * ``torchacc streaming``: ``torchacc.consolidate(pattern, out=..., return_state=False)`` -- what the CLI does
@@ -45,7 +45,7 @@ from _common import (
     median,
     print_result,
     read_status,
-    run_child,
+    run_child_results,
     wait_for_idle,
     warm_page_cache,
 )
@@ -65,7 +65,7 @@ VARIANTS = (
 )
 # GPT-2-like sizes: (vocab, width, layers, context). Full: GPT-2 large width, 24 layers, 537.8M params.
 FULL_SIZE = (50257, 1280, 24, 1024)
-QUICK_SIZE = (16000, 320, 6, 256)
+QUICK_SIZE = (2048, 64, 2, 64)
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
@@ -161,8 +161,18 @@ def _copy(shard_paths: list[str], out_dir: str, fsync: bool) -> None:
                 os.fsync(f.fileno())
 
 
-def child(variant: str, root: str) -> None:
-    """Run one variant in this (fresh) process and print its timings for the parent."""
+def child(variants: list[str], root: str) -> None:
+    """Run ``variants`` one after the other in this (fresh) process; print the timings of each for the parent.
+
+    The parent prepares the first (see ``run_all``); this process prepares the others the same way.
+    """
+    for index, variant in enumerate(variants):
+        if index:
+            _prepare(variant, root)
+        _run_variant(variant, root)
+
+
+def _run_variant(variant: str, root: str) -> None:
     paths = _paths(root)
     out = os.path.join(paths["out"], "consolidated.pth")
     pattern = os.path.join(paths["shard_dir"], PATTERN)
@@ -212,15 +222,21 @@ def child(variant: str, root: str) -> None:
     )
 
 
-def run_one(variant: str, root: str, wait_idle: float) -> dict[str, Any]:
+def _prepare(variant: str, root: str) -> None:
+    """An empty output directory, the previous run's writes flushed, ``variant``'s inputs in the page cache."""
     paths = _paths(root)
     shutil.rmtree(paths["out"])
     os.makedirs(paths["out"])
     os.sync()  # flush the previous run's output so its write-back does not slow this run
-    busy = wait_for_idle(timeout=wait_idle) if wait_idle > 0 else cpu_busy(0.1)
     warm_page_cache([paths["dcp"]] if variant == "dcp_to_torch_save" else paths["shards"])
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--workdir", root]
-    return {**run_child(cmd, env=dict(os.environ)), "cpu_busy_before": busy}
+
+
+def run_all(variants: list[str], root: str, wait_idle: float) -> list[dict[str, Any]]:
+    """``variants`` one after the other in one fresh subprocess (one variant: its peak memory is its own)."""
+    busy = wait_for_idle(timeout=wait_idle) if wait_idle > 0 else cpu_busy(0.1)
+    _prepare(variants[0], root)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", *variants, "--workdir", root]
+    return [{**result, "cpu_busy_before": busy} for result in run_child_results(cmd, env=dict(os.environ))]
 
 
 def summarize(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[dict[str, Any]]:
@@ -355,7 +371,9 @@ def plot(rows: list[dict[str, Any]], info: dict[str, Any], path: str) -> str | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a ~50 MB checkpoint and 1 round (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: a ~2 MB checkpoint, 1 round, every variant in one subprocess"
+    )
     parser.add_argument("--rounds", type=int, help="rounds of all variants (default 5, or 1 with --quick)")
     parser.add_argument("--workdir", help="where the temporary checkpoint goes (default: a new dir under /tmp)")
     parser.add_argument("--out", default=OUT_DIR, help="where the PNG and the raw JSON go (default benchmarks/out)")
@@ -364,7 +382,7 @@ def main() -> None:
         type=float,
         help="before each run, wait up to this many seconds for other jobs to leave the CPUs (default 120; 0: --quick)",
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.workdir)
@@ -388,13 +406,17 @@ def main() -> None:
         runs = []
         for round_index in range(rounds):
             shift = round_index % len(VARIANTS)
-            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                runs.append(run_one(variant, root, wait_idle))
-                print(
-                    f"  round {round_index + 1}/{rounds} {variant:<28} {runs[-1]['seconds']:7.2f} s "
-                    f"(CPUs {runs[-1]['cpu_busy_before']:.0%} busy before)",
-                    flush=True,
-                )
+            order = VARIANTS[shift:] + VARIANTS[:shift]
+            # one subprocess per variant, so that each peak is its own; --quick: one for the round (one start-up)
+            for group in [list(order)] if args.quick else [[variant] for variant in order]:
+                new = run_all(group, root, wait_idle)
+                runs += new
+                for run in new:
+                    print(
+                        f"  round {round_index + 1}/{rounds} {run['variant']:<28} {run['seconds']:7.2f} s "
+                        f"(CPUs {run['cpu_busy_before']:.0%} busy before)",
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(runs, info)
@@ -406,6 +428,11 @@ def main() -> None:
     )
     print(format_table(rows))
     print()
+    if args.quick:
+        print(
+            "--quick is a smoke run: every variant shares one process and the checkpoint is tiny; the verdicts "
+            "below say nothing"
+        )
     for line in check_claims(rows, info):
         print(line)
     os.makedirs(args.out, exist_ok=True)

@@ -5,7 +5,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/memory.py                # full: a 209M-param GPT-2 (3.3 GB of state), ~5 min
     .venv/bin/python benchmarks/memory.py --vocab 8192   # the same blocks with a small vocabulary (176M params)
     .venv/bin/python benchmarks/memory.py --gc --vocab 8192  # activation checkpointing off / every / 1 in 2 blocks
-    .venv/bin/python benchmarks/memory.py --quick        # smoke run: a 5M-parameter GPT-2 and its gc rows, < 60 s
+    .venv/bin/python benchmarks/memory.py --quick        # smoke run: a tiny GPT-2, both tables from one launch
     .venv/bin/python benchmarks/memory.py --tp           # tensor parallelism against FSDP 4 (4 ranks, Llama-style)
     .venv/bin/python benchmarks/memory.py --pp           # pipeline parallelism against FSDP 4 (4 ranks, Llama-style)
 
@@ -85,7 +85,7 @@ from _tp import TP_CONTENDERS, TP_RANKS, tp_table, tp_worker
 
 # (n_layer, n_embd, n_head, vocab): full is GPT-2's vocabulary with 24 layers of width 768 (GPT-2 medium depth).
 FULL_MODEL = (24, 768, 12, 50257)
-QUICK_MODEL = (4, 256, 4, 8192)
+QUICK_MODEL = (4, 64, 2, 1024)
 # (kind, world size): run in this order, once per allocator setting.
 RUNS = (("baseline", 1), ("fsdp", 1), ("baseline", 2), ("fsdp", 2), ("dp", 2))
 LABELS = {"fsdp": "torchacc FSDP", "dp": "torchacc DP (replicated)"}
@@ -110,38 +110,55 @@ def unit_sizes(model: Any) -> dict[str, int]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import torchacc
+
+    torchacc.dist.init_distributed()
+    # ``--specs`` (--quick): several configurations one after the other in this one launch, each with its peaks
+    # reset first; otherwise the one configuration of ``--kind`` and ``--gc-mode``.
+    specs = args.specs or [f"{args.kind}:{args.gc_mode}"]
+    for index, spec in enumerate(specs):
+        kind, gc_mode = spec.split(":")
+        if index:
+            gc.collect()
+            malloc_trim()
+            reset_peak_rss()
+        emit_result(measure(args, kind, gc_mode))
+    torchacc.dist.teardown()
+
+
+def measure(args: argparse.Namespace, kind: str, gc_mode: str) -> dict[str, Any]:
+    """Set up ``kind`` (baseline, fsdp or dp) with memory.gc ``gc_mode``, train ``--steps`` steps; the peaks."""
     import torch
     from torch.utils.data import DataLoader
 
     import torchacc
 
-    torchacc.dist.init_distributed()
     rank, world = torchacc.dist.rank(), torchacc.dist.world_size()
     n_layer, n_embd, n_head, vocab = model_shape(args)
     allocator = os.environ.get("BENCH_ALLOCATOR", "glibc")
     result: dict[str, Any] = {
-        "kind": args.kind,
+        "kind": kind,
         "world": world,
         "rank": rank,
         "allocator": allocator,
-        "gc": args.gc_mode,
+        "gc": gc_mode,
         "batch": args.batch,
         "seq": args.seq,
         "round": args.round,
         "steps": args.steps,
     }
-    if args.kind == "baseline":
+    if kind == "baseline":
         torchacc.dist.barrier()
     else:
         model = gpt2_model(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=vocab, seq=args.seq)
         result.update(params=num_params(model), units=unit_sizes(model))
         data = random_tokens(world * args.batch * args.steps, args.seq, vocab)
         config = torchacc.Config()
-        config.dist.fsdp.size = world if args.kind == "fsdp" else 1
+        config.dist.fsdp.size = world if kind == "fsdp" else 1
         config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
-        if args.gc_mode != "off":  # checkpoints the wrap_layer_cls blocks: all, or every gc_interval-th
+        if gc_mode != "off":  # checkpoints the wrap_layer_cls blocks: all, or every gc_interval-th
             config.memory.gc = True
-            config.memory.gc_interval = args.gc_interval if args.gc_mode == "selective" else 1
+            config.memory.gc_interval = args.gc_interval if gc_mode == "selective" else 1
         model, loader = torchacc.accelerate(model, DataLoader(data, batch_size=args.batch, drop_last=True), config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gc.collect()
@@ -152,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     result["start_rss"] = read_status()["VmRSS"]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with MemorySampler("self", interval=0.002) as sampler:
-        if args.kind == "baseline":
+        if kind == "baseline":
             torchacc.dist.barrier()
             time.sleep(0.2)
         else:
@@ -172,8 +189,7 @@ def worker(args: argparse.Namespace) -> None:
         train_file=sampler.peak("RssFile"),
         num_samples=len(sampler.samples),
     )
-    emit_result(result)
-    torchacc.dist.teardown()
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,11 +344,16 @@ def plot(points: list[dict[str, Any]], path: str) -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a small model (< 60 s)")
-    p.add_argument("--steps", type=int, default=2, help="training steps")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: a tiny model at N = 2 only, the baseline and the three memory.gc variants in one launch "
+        "(the main table is its gc-off rows); no figures",
+    )
+    p.add_argument("--steps", type=int, default=0, help="training steps (default 2, quick 1)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: GPT-2's 50257; quick 8192)")
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: GPT-2's 50257; quick 1024)")
     p.add_argument(
         "--allocator",
         nargs="+",
@@ -344,10 +365,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gc",
         action="store_true",
         help="only the activation-checkpointing comparison: FSDP at N = 2 with memory.gc off, on every block and on "
-        "every --gc-interval-th block, at --gc-batch x --gc-seq (quick runs it after the main table)",
+        "every --gc-interval-th block, at --gc-batch x --gc-seq (quick: from its one launch)",
     )
-    p.add_argument("--gc-batch", type=int, default=0, help="batch of the gc comparison (default 2; quick 2)")
-    p.add_argument("--gc-seq", type=int, default=0, help="seq of the gc comparison (default 512; quick 128)")
+    p.add_argument("--gc-batch", type=int, default=0, help="batch of the gc comparison (default 2; quick --batch)")
+    p.add_argument("--gc-seq", type=int, default=0, help="seq of the gc comparison (default 512; quick --seq)")
     p.add_argument("--gc-interval", type=int, default=2, help="selective checkpointing: every k-th block (default 2)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the gc comparison (medians; contenders alternate)")
     p.add_argument("--plot", default=os.path.join(OUT_DIR, "memory.png"), help="PNG path; raw JSON beside it")
@@ -363,12 +384,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kind", choices=("baseline", "fsdp", "dp"), help=argparse.SUPPRESS)
     p.add_argument("--gc-mode", choices=GC_MODES, default="off", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--specs", nargs="+", help=argparse.SUPPRESS)  # kind:gc_mode, one after the other (--quick)
     args = p.parse_args(argv)
     default = [DEFAULT_ALLOCATOR] if args.gc else ["glibc", DEFAULT_ALLOCATOR]
     args.allocator = args.allocator or (["glibc"] if args.quick else default)
-    args.gc_batch = args.gc_batch or 2
-    args.gc_seq = args.gc_seq or (128 if args.quick else 512)
+    args.gc_batch = args.gc_batch or (args.batch if args.quick else 2)
+    args.gc_seq = args.gc_seq or (args.seq if args.quick else 512)
     args.no_dp = args.no_dp or args.quick
+    args.steps = args.steps or (1 if args.quick else 2)
     args.tp_steps = args.tp_steps or (1 if args.quick else 2)
     args.pp_steps = args.pp_steps or (1 if args.quick else 2)
     args.warmup = 1
@@ -409,13 +432,20 @@ def main() -> None:
     n_layer, n_embd, n_head, vocab = model_shape(args)
     results: list[dict[str, Any]] = []
     gc_results: list[dict[str, Any]] = []
-    if not args.gc:
+    if args.quick and not args.gc:
+        # The smoke run: one launch of 2 ranks measures the baseline and the three memory.gc variants one after
+        # the other (the peaks are reset between them); the gc-off rows also make the main table.
+        shape = ["--batch", str(args.gc_batch), "--seq", str(args.gc_seq), "--gc-interval", str(args.gc_interval)]
+        specs = ["baseline:off", *(f"fsdp:{mode}" for mode in GC_MODES)]
+        gc_results = run(args, "fsdp", 2, args.allocator[0], [*shape, "--specs", *specs])
+        results = [r for r in gc_results if r["gc"] == "off"]
+    elif not args.gc:
         shape = ["--batch", str(args.batch), "--seq", str(args.seq)]
         for allocator in args.allocator:
             for kind, world in RUNS:
                 if not (kind == "dp" and args.no_dp):
                     results += run(args, kind, world, allocator, shape)
-    if args.gc or args.quick:
+    if args.gc:
         # Contenders alternate: each round runs the baseline, then the three variants in a rotated order.
         shape = ["--batch", str(args.gc_batch), "--seq", str(args.gc_seq), "--gc-interval", str(args.gc_interval)]
         for round_ in range(args.rounds):

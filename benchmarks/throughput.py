@@ -3,7 +3,7 @@
 Run (from the repository root)::
 
     .venv/bin/python benchmarks/throughput.py            # full: 3 GPT-2 sizes, 4 rounds (about 8 min on 2 cores)
-    .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, compile too, < 90 s
+    .venv/bin/python benchmarks/throughput.py --quick    # smoke run: one tiny size, 1 round, 1 timed step, no figures
     .venv/bin/python benchmarks/throughput.py --compile only --sizes L2-E128 L6-E512   # the compile line alone
     .venv/bin/python benchmarks/throughput.py --tp       # tensor parallelism: FSDP4, TP2 x DP2, FSDP2 x TP2 (4 ranks)
     .venv/bin/python benchmarks/throughput.py --pp       # pipeline parallelism: FSDP4, PP2 x FSDP2, PP2 x DP2, PP4
@@ -30,7 +30,7 @@ time a rank is descheduled, so it is less sensitive to other processes on a shar
 available) the same code runs with NCCL, one GPU per rank, and ``torch.cuda.synchronize()`` before reading
 the clock.
 
-``--compile on|only`` adds the ``compute.compile`` comparison (on by default with ``--quick``):
+``--compile on|only`` adds the ``compute.compile`` comparison (``--quick --compile on`` runs it at the tiny size):
 
 * ``(a') torchacc compiled``: (a) with ``config.compute.compile = True`` (torchacc compiles every wrapped
   block's ``forward`` in place, before sharding).
@@ -94,7 +94,7 @@ FULL_SIZES = {
     "L4-E256": (4, 256, 4, 6),
     "L6-E512": (6, 512, 8, 3),
 }
-QUICK_SIZES = {"L2-E128": (2, 128, 4, 4)}
+QUICK_SIZES = {"L2-E128": (2, 128, 4, 1)}
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
@@ -699,15 +699,17 @@ def plot(med: dict, path: str, nproc: int) -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="one tiny size, 1 round, few steps (< 60 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: one tiny size, batch 2 x seq 32, 1 round, 1 timed step"
+    )
     p.add_argument("--rounds", type=int, default=None, help="rounds of all contenders (default 4, quick 1)")
     p.add_argument("--steps", type=int, default=0, help="timed steps per measurement (default: per size)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, quick 1)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=0, help="sequences per rank per step (default 8, quick 2)")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default 128, quick 32)")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (GPT-2's is 50257)")
     p.add_argument("--sizes", nargs="*", help=f"subset of {list(FULL_SIZES)}")
-    p.add_argument("--pairs", type=int, default=None, help="(a)/(b) paired block count per size (default 6, quick 2)")
+    p.add_argument("--pairs", type=int, default=None, help="(a)/(b) paired block count per size (default 6, quick 1)")
     p.add_argument("--allocator", choices=list(ALLOCATORS), default="glibc", help="malloc setting of the ranks")
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -716,8 +718,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile",
         choices=("off", "on", "only"),
         default=None,
-        help="add the compute.compile comparison (a)/(b)/(a')/(b') after the others, or run only it "
-        "(default: on with --quick, on the tiny size; off otherwise)",
+        help="add the compute.compile comparison (a)/(b)/(a')/(b') after the others, or run only it (default off)",
     )
     p.add_argument("--tp", action="store_true", help="only the tensor-parallel comparison (4 ranks, Llama-style)")
     p.add_argument("--tp-batch", type=int, default=8, help="--tp: global batch (sequences per step, all layouts)")
@@ -739,9 +740,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.compile = args.compile or ("on" if args.quick else "off")
+    args.compile = args.compile or "off"
+    tiny = args.quick and not (args.tp or args.pp)  # --tp/--pp --quick keep their own batch and seq 128
+    args.batch = args.batch or (2 if tiny else 8)
+    args.seq = args.seq or (32 if tiny else 128)
     args.rounds = args.rounds or (1 if args.quick else len(CONTENDERS))
-    args.pairs = args.pairs if args.pairs is not None else (2 if args.quick else 6)
+    args.pairs = args.pairs if args.pairs is not None else (1 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.tp_steps = args.tp_steps or (1 if args.quick else 3)
     args.pp_steps = args.pp_steps or (1 if args.quick else 3)
@@ -866,7 +870,7 @@ def print_base(results: list[dict[str, Any]], args: argparse.Namespace) -> dict:
     print(per_round)
     print("\n" + notes)
     if args.device == "cpu":
-        loader = loader_overhead(args, *((3, 100) if args.quick else (7, 400)))
+        loader = loader_overhead(args, *((1, 20) if args.quick else (7, 400)))
         step_ms = min(args.nproc * args.batch * args.seq / med[(s, "fsdp2")] for s, _ in med) * 1e3
         extra = loader["torchacc"] - loader["fsdp2"]
         print(

@@ -26,10 +26,11 @@ def _table_rows(stdout: str) -> list[str]:
 
 def test_throughput_quick(tmp_path: Path) -> None:
     out = _run_quick("throughput.py", tmp_path)
-    assert "(a)/(b)" in out
-    assert "(a')/(a)" in out and "loss check" in out, out  # --quick also runs the compute.compile comparison
+    assert "(a)/(b)" in out and "paired blocks: median (range) of 1" in out, out
+    assert "max |loss (a) - loss (b)|" in out and "loader, per batch:" in out, out
     rows = _table_rows(out)
     assert rows and rows[0].startswith("| L2-E128 |"), out
+    assert "| L2-E128 | 1 | abcd |" in out, "one round of the four contenders"
 
 
 def test_throughput_metrics_quick(tmp_path: Path) -> None:
