@@ -1,5 +1,6 @@
 """FSDP2Strategy code run inside each rank (see tests/_launch.py); assertions live in test_strategy.py."""
 
+import ctypes
 import itertools
 import os
 import resource
@@ -213,6 +214,10 @@ def meta_memory() -> dict:
     strategy = torchacc.FSDP2Strategy(sharding_strategy="FULL_SHARD", seed=0)
     strategy.config.dist.fsdp.wrap_layer_cls = {"Linear"}
     strategy.setup_environment()
+    # RSS should follow the live tensors: glibc raises its mmap threshold after frees of large blocks and then
+    # keeps freed 16 MB units in the heap (growth varied 144-191 MB on rank 1 from run to run). A fixed
+    # threshold (M_MMAP_THRESHOLD, -3) of 1 MiB maps each large block on its own and unmaps it when freed.
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)
     torchacc.dist.barrier()
     base, peak, done = _rss_bytes(), [0], threading.Event()
 
