@@ -22,8 +22,10 @@ setup: $(VENV)/.installed
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt2.py
 
-# Two pytest workers, a test file each at a time (--dist loadfile: a file's launches share their fixtures): most
-# tests leave a core idle (one process, or ranks waiting on each other). One worker took 16m48s (2026-11-25).
+# Two pytest workers, a test file each at a time (--dist loadfile: a file's launches share their fixtures), the
+# slowest files first (tests/conftest.py; xdist's own reorder would start the files with the most tests first).
+# Quiet machine, 2026-11-25: 12m07s (771 s of CPU); three workers took 10m48s but load the 2 cores past what the
+# timing tests of tests/reliability tolerate.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
