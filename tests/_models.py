@@ -70,7 +70,7 @@ class TinyNet(nn.Module):
 
 
 # The sizes of every tiny decoder: 2 layers, 4 query and 2 key/value heads of 16 dimensions, hidden size 64.
-TINY_DECODER = dict(
+DECODER_SIZES = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -78,6 +78,9 @@ TINY_DECODER = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=SEQ,
+)
+TINY_DECODER = dict(
+    **DECODER_SIZES,
     bos_token_id=VOCAB - 1,
     eos_token_id=VOCAB - 1,
     pad_token_id=None,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _models import SEQ, VOCAB, token_dataset
+from _models import DECODER_SIZES, SEQ, VOCAB, token_dataset
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -157,16 +157,7 @@ def build_model(family: str, *, seed: int, meta: bool) -> torch.nn.Module:
     if spec.module == "gpt2":
         sizes = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4)
     else:
-        sizes = dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ,
-            pad_token_id=None,
-        )
+        sizes = {**DECODER_SIZES, "pad_token_id": None}
     hf_config = model_cls.config_class(**sizes, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, **spec.overrides)
     for name, value in hf_config.to_dict().items():
         if ("pdrop" in name or "dropout" in name) and isinstance(value, float):
