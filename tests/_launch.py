@@ -27,6 +27,7 @@ import torch
 _WORKER = Path(__file__).with_name("_worker_main.py")
 _PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torchacc", "transformers"]
 _PRELOAD += [f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "qwen2")]
+_PRELOAD += ["torch.distributed.pipelining"]  # torchacc imports it only for a pipeline
 _context: Any = None
 
 

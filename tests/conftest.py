@@ -33,30 +33,31 @@ requires_two_gpus = pytest.mark.skipif(
 )
 
 
-# The files that take longest, longest first (CPU seconds on a quiet 2-core machine, 2026-11-25). `make test` runs
-# two pytest workers that take a file at a time in collection order (--no-loadscope-reorder: xdist would otherwise
-# start the files with the most tests first and leave the longest, one-test files for the end, on one worker).
+# The files that take longest, longest first (CPU seconds on a quiet 2-core machine, 2026-11-25, each file alone).
+# `make test` runs two pytest workers that take a file at a time in collection order (--no-loadscope-reorder: xdist
+# would otherwise start the files with the most tests first and leave the longest, one-test files for the end, on
+# one worker).
 SLOWEST_FIRST = (
     "multiproc/test_matrix.py",
     "e2e/test_examples.py",
-    "docs/test_docs.py",
-    "bench_smoke/test_benchmarks_training.py",
     "bench_smoke/test_benchmarks.py",
     "bench_smoke/test_benchmarks_capacity.py",
-    "unit/test_planning.py",
     "e2e/test_multinode.py",
+    "docs/test_docs.py",
+    "unit/test_planning.py",
     "reliability/test_rank_failures.py",
     "multiproc/test_memory_report.py",
-    "unit/test_process_group.py",
-    "multiproc/test_cli_export.py",
-    "multiproc/test_parity.py",
-    "multiproc/test_metrics_ranks.py",
     "reliability/test_elastic_restart.py",
+    "bench_smoke/test_benchmarks_training.py",
+    "multiproc/test_cli_export.py",
     "multiproc/test_tp.py",
-    "multiproc/test_checkpoint.py",
-    "multiproc/test_resume.py",
-    "multiproc/test_scale.py",
     "multiproc/test_pp.py",
+    "multiproc/test_scale.py",
+    "multiproc/test_strategy_tp.py",
+    "multiproc/test_cp.py",
+    "multiproc/test_tp_dcp.py",
+    "multiproc/test_checkpoint.py",
+    "multiproc/test_seed_checkpoint.py",
 )
 
 

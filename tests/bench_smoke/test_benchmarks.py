@@ -1,4 +1,5 @@
-"""The benchmark scripts still run: each one's ``--quick`` mode, in a subprocess (figures are not checked)."""
+"""The benchmark scripts still run: each one's ``--quick`` mode (figures are not checked), in a subprocess or, for
+those whose ranks torchrun starts, through ``run_benchmark`` (see [Note: benchmarks in the suite] in conftest.py)."""
 
 import os
 import subprocess
@@ -21,39 +22,30 @@ def test_consolidate_quick(tmp_path):
     assert not any((tmp_path / "work").iterdir()), "the temporary checkpoint was not deleted"
 
 
-def test_setup_time_quick(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(BENCHMARKS / "setup_time.py"), "--quick", "--out", str(tmp_path / "setup_time.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    setup_table = proc.stdout.split("### tensor_digest")[0]
+def test_setup_time_quick(tmp_path, run_benchmark):
+    out = run_benchmark("setup_time.py", "--quick", "--out", str(tmp_path / "setup_time.json"))
+    setup_table = out.split("### tensor_digest")[0]
     cells = [line.split(" | ") for line in setup_table.splitlines() if line.startswith("| L2-E128 |")]
     rows = {row[2]: row for row in cells}
     contenders = ["torchacc", "torchacc full broadcast", "torchacc no sync", "FSDP2", "torchacc, ranks differ"]
-    assert sorted(rows) == sorted(contenders), proc.stdout
+    assert sorted(rows) == sorted(contenders), out
     assert rows["torchacc"][6] == "0", "ranks built alike must send no tensor"
-    assert rows["torchacc full broadcast"][6] == rows["torchacc, ranks differ"][6] != "0", proc.stdout
-    assert "| model | param GB | digest ms | digest GB/s |" in proc.stdout, proc.stdout
+    assert rows["torchacc full broadcast"][6] == rows["torchacc, ranks differ"][6] != "0", out
+    assert "| model | param GB | digest ms | digest GB/s |" in out, out
     assert (tmp_path / "setup_time.json").is_file()
 
 
-def test_plan_accuracy_quick():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "plan_accuracy.py"), "--quick"], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "| llama tp=2 | 2 |" in proc.stdout and "| yes |" in proc.stdout, proc.stdout
-    assert "### The planner's per-block scaling against a full fake step (CUDA plan)" in proc.stdout
+def test_plan_accuracy_quick(run_benchmark):
+    out = run_benchmark("plan_accuracy.py", "--quick")
+    assert "| llama tp=2 | 2 |" in out and "| yes |" in out, out
+    assert "### The planner's per-block scaling against a full fake step (CUDA plan)" in out
 
 
-def test_checkpoint_quick(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--quick", "--workdir", str(tmp_path)]
-    proc = subprocess.run(
-        cmd + ["--out", str(tmp_path / "checkpoint.json")], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "| mode | MB per rank | rounds | in save s | in wait s | blocked s |" in proc.stdout, proc.stdout
+def test_checkpoint_quick(tmp_path, run_benchmark):
+    work = tmp_path / "work"
+    work.mkdir()
+    out = run_benchmark("checkpoint.py", "--quick", "--workdir", str(work), "--out", str(work / "checkpoint.json"))
+    assert "| mode | MB per rank | rounds | in save s | in wait s | blocked s |" in out, out
     for mode in ("blocking", "background", "no save"):
-        assert f"| {mode} |" in proc.stdout, proc.stdout
-    assert os.listdir(tmp_path) == ["checkpoint.json"], "the checkpoints were not deleted"
+        assert f"| {mode} |" in out, out
+    assert os.listdir(work) == ["checkpoint.json"], "the checkpoints were not deleted"

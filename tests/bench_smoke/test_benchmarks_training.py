@@ -1,20 +1,13 @@
-"""Smoke tests for the training benchmarks: each script's ``--quick`` mode runs and prints its table."""
+"""Smoke tests for the training benchmarks: each script's ``--quick`` mode runs and prints its table (through
+``run_benchmark``: see [Note: benchmarks in the suite] in conftest.py)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _run_quick(script: str, tmp_path: Path, *extra: str) -> str:
-    env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--plot", str(tmp_path / "plot.png"), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=BENCHMARKS.parent)
-    assert proc.returncode == 0, f"{script} --quick failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return proc.stdout
+def _run_quick(run_benchmark, script: str, tmp_path: Path, *extra: str) -> str:
+    return run_benchmark(script, "--quick", "--plot", str(tmp_path / "plot.png"), *extra)
 
 
 def _table_rows(stdout: str) -> list[str]:
@@ -24,8 +17,8 @@ def _table_rows(stdout: str) -> list[str]:
     return [line for line in lines[start + 1 :] if line.startswith("| ")]
 
 
-def test_throughput_quick(tmp_path: Path) -> None:
-    out = _run_quick("throughput.py", tmp_path)
+def test_throughput_quick(tmp_path: Path, run_benchmark) -> None:
+    out = _run_quick(run_benchmark, "throughput.py", tmp_path)
     assert "(a)/(b)" in out and "paired blocks: median (range) of 1" in out, out
     assert "max |loss (a) - loss (b)|" in out and "loader, per batch:" in out, out
     rows = _table_rows(out)
@@ -33,15 +26,15 @@ def test_throughput_quick(tmp_path: Path) -> None:
     assert "| L2-E128 | 1 | abcd |" in out, "one round of the four contenders"
 
 
-def test_throughput_metrics_quick(tmp_path: Path) -> None:
-    out = _run_quick("throughput.py", tmp_path, "--metrics")
+def test_throughput_metrics_quick(tmp_path: Path, run_benchmark) -> None:
+    out = _run_quick(run_benchmark, "throughput.py", tmp_path, "--metrics")
     rows = _table_rows(out)
     assert len(rows) == 1 and rows[0].startswith("| L2-E128 | ") and "| 1 x 10 |" in rows[0], out
     assert rows[0].split(" | ")[-2] == "1", "one record in a block of 10 steps"
 
 
-def test_memory_quick(tmp_path: Path) -> None:
-    out = _run_quick("memory.py", tmp_path)
+def test_memory_quick(tmp_path: Path, run_benchmark) -> None:
+    out = _run_quick(run_benchmark, "memory.py", tmp_path)
     assert "vs theory" in out
     rows = _table_rows(out)
     assert any("torchacc FSDP | 2 |" in row for row in rows), out

@@ -1,11 +1,13 @@
-"""Run the code blocks of the docs, page by page, in this process (every rank, under torchrun).
+"""Run the code blocks of the docs, page by page, in this process (every rank of a launch).
 
     python _run_blocks.py PLAN.json WORK_DIR RESULTS_DIR
+
+(or ``run_forked`` in a rank that tests/_launch.py forked, with torchrun's environment).
 
 PLAN.json lists groups ``{"page", "blocks": [{"line", "code", "setup"}]}``. Each group gets a fresh
 namespace and runs in ``WORK_DIR/<page>`` (shared by the ranks). After each group this rank writes
 ``RESULTS_DIR/rank<R>.json``: per group, whether it passed, each block's output and the traceback. A
-failing block ends the process at once (``os._exit``), so torchrun stops the other ranks instead of
+failing block ends the process at once (``os._exit``), so the launcher stops the other ranks instead of
 leaving them waiting in a collective.
 """
 
@@ -70,6 +72,13 @@ def main() -> None:
             sys.stderr.write(record["error"])
             sys.stderr.flush()
             os._exit(1)
+
+
+def run_forked(plan_path: str, work: str, results_dir: str, env: str) -> None:
+    """A rank forked by test_docs.py (tests/_launch.py): ``main`` with these arguments and ``env`` (JSON) added."""
+    os.environ.update(json.loads(env))
+    sys.argv = [__file__, plan_path, work, results_dir]
+    main()
 
 
 if __name__ == "__main__":

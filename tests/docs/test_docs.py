@@ -1,7 +1,9 @@
 """Every Python block of README.md and docs/ runs, and every command a shell block shows exists.
 
-The blocks of all pages run in as few processes as possible (one plain process, one torchrun launch
-per rank count), each page in its own namespace and directory; see ``_markdown.py`` for the markers.
+The blocks of all pages run in as few processes as possible (one plain process, and one launch per rank count
+of ranks forked with torchrun's environment from tests/_launch.py's pre-imported server: torchrun's agent and
+each rank's imports cost more CPU than the blocks), each page in its own namespace and directory; see
+``_markdown.py`` for the markers.
 """
 
 import json
@@ -10,9 +12,12 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from _launch import spawn_ranks
 from _markdown import ROOT, all_blocks, output_matches
 
 HERE = Path(__file__).resolve().parent
@@ -24,20 +29,18 @@ SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh", "shell", "console")]
 MAX_SKIPS = 8  # skips must stay rare: GPU-only code or other libraries' APIs
 
 
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "DOCS_ROOT": str(ROOT),
-    }
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DOCS_ROOT": str(ROOT),
+}
 
 
-def _start(mode: str, nproc: int, tmp: Path) -> subprocess.Popen:
-    """Start one process (or one torchrun launch) that runs every page's blocks of this mode."""
+def _start(mode: str, nproc: int, tmp: Path) -> Any:
+    """Start one process (or one launch of ``nproc`` forked ranks) that runs every page's blocks of this mode."""
     groups = []
     # A page that ends with teardown() runs last: creating a process group again after destroying it,
     # in the same torchrun process, is unreliable (gloo may connect to the old group's addresses).
@@ -48,23 +51,44 @@ def _start(mode: str, nproc: int, tmp: Path) -> subprocess.Popen:
                 {"page": page, "blocks": [{"line": b.line, "code": b.code, "setup": b.setup} for b in blocks]}
             )
     (tmp / "plan.json").write_text(json.dumps(groups))
-    runner = [str(HERE / "_run_blocks.py"), str(tmp / "plan.json"), str(tmp / "work"), str(tmp)]
+    args = (str(tmp / "plan.json"), str(tmp / "work"), str(tmp))
     if mode == "python":
-        cmd = [sys.executable, *runner]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *runner]
-    return subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [sys.executable, str(HERE / "_run_blocks.py"), *args]
+        env = {**os.environ, **ENV}
+        return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    target = f"{HERE / '_run_blocks.py'}:run_forked"
+    return spawn_ranks(target, nproc, tmp / "logs", args=(*args, json.dumps(ENV)))
 
 
-def _finish(proc: subprocess.Popen, nproc: int, tmp: Path, timeout: float) -> dict:
-    """Wait for a launch from ``_start``; return its exit code, output and every rank's per-page records."""
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:  # reported by every page of this launch, without re-running it
+def _wait_ranks(procs: list, tmp: Path, timeout: float) -> tuple[int | None, str]:
+    """Wait for forked ranks as torchrun would: the first rank to fail (or the timeout) stops the others."""
+    deadline = time.monotonic() + timeout
+    codes = [proc.poll() for proc, _ in procs]
+    while None in codes and not any(codes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        codes = [proc.poll() for proc, _ in procs]
+    for proc, log in procs:
         proc.kill()
-        output, _ = proc.communicate()
-        returncode, output = None, f"TIMED OUT after {timeout} s\n{output}"
+        proc.wait(timeout=30)
+        log.close()
+    output = "".join((tmp / "logs" / f"rank{r}.log").read_text() for r in range(len(procs)))
+    if None in codes and not any(codes):
+        return None, f"TIMED OUT after {timeout} s\n{output}"
+    return next((code for code in codes if code), 0), output
+
+
+def _finish(proc: Any, nproc: int, tmp: Path, timeout: float) -> dict:
+    """Wait for a launch from ``_start``; return its exit code, output and every rank's per-page records."""
+    if isinstance(proc, list):
+        returncode, output = _wait_ranks(proc, tmp, timeout)
+    else:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:  # reported by every page of this launch, without re-running it
+            proc.kill()
+            output, _ = proc.communicate()
+            returncode, output = None, f"TIMED OUT after {timeout} s\n{output}"
     ranks = []
     for rank in range(nproc):
         path = tmp / f"rank{rank}.json"
@@ -76,7 +100,7 @@ def _finish(proc: subprocess.Popen, nproc: int, tmp: Path, timeout: float) -> di
 def docs_run(tmp_path_factory):
     """``docs_run(mode, nproc)``: the results of running every page's blocks of that kind.
 
-    The first call starts every launch at once (a plain process, and one torchrun per rank count):
+    The first call starts every launch at once (a plain process, and forked ranks per rank count):
     they overlap their start-up, which is most of their time. Each runs once per session.
     """
     cache: dict[tuple[str, int], dict] = {}

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.hooks import RemovableHandle
 
 from .layout import PipelineSchedule
@@ -78,6 +77,9 @@ class PipelineRuntime:
         if shapes in self._schedules:
             self._schedules.move_to_end(shapes)
             return self._schedules[shapes]
+        # Imported here: torch.distributed.pipelining imports dynamo, about 1 s of CPU in every process otherwise.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
         stages = [PipelineStage(m, m.index, self.num_stages, self.device, group=self.group) for m in self.stage_modules]
         kwargs = {"loss_fn": self._loss, "scale_grads": False}  # see [Note: pipeline loss]: the losses add up
         if self._kind == "Interleaved1F1B":
