@@ -13,10 +13,13 @@ send none of them, so ``accelerate()`` costs about what hand-written FSDP2 costs
 * ``torchacc``: ``torchacc.accelerate(model, config=config)``, the default: digests compared, differing tensors sent.
 * ``torchacc full broadcast``: the same, with the sync replaced by the previous code path: ``broadcast_tensors`` of
   every parameter and buffer from rank 0 (what ``accelerate()`` did before digests).
+* ``torchacc whole digests``: the same, with every rank digesting every tensor whole (the sync before it compared
+  only the chunk each rank keeps).
 * ``torchacc no sync``: ``sync_module_states = False``, the floor (nothing compared, nothing sent).
 * ``FSDP2``: by hand: ``init_device_mesh`` and ``fully_shard`` on every ``GPT2Block``, then on the root, with
   ``MixedPrecisionPolicy(reduce_dtype=float32)``; it does not synchronize the ranks' weights at all.
-* ``torchacc, ranks differ``: ``accelerate()`` where rank 1 changed one element of every parameter, so every
+* ``torchacc, ranks differ``: ``accelerate()`` where rank 1 changed the last element of every parameter (in the
+  chunk it keeps), so every
   parameter is sent: the worst case for the digest, against ``torchacc full broadcast``.
 
 Method. One ``torchrun --nproc_per_node=2`` job. Each rank builds the model once per size and keeps it; each
@@ -40,7 +43,14 @@ from typing import Any
 
 from _common import emit_result, gpt2_model, machine_summary, markdown_table, median, num_params, run_torchrun
 
-CONTENDERS = ("torchacc", "torchacc full broadcast", "torchacc no sync", "FSDP2", "torchacc, ranks differ")
+CONTENDERS = (
+    "torchacc",
+    "torchacc whole digests",
+    "torchacc full broadcast",
+    "torchacc no sync",
+    "FSDP2",
+    "torchacc, ranks differ",
+)
 FULL_SIZES = {"L6-E512": (6, 512, 8192), "L22-E768": (22, 768, 8192)}  # ~23.2M and ~162.3M parameters
 QUICK_SIZES = {"L2-E128": (2, 128, 1024)}
 SEQ = 128
@@ -72,24 +82,32 @@ def shard(contender: str, model: Any, timings: dict[str, float]) -> Any:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
 
-    def full_broadcast(tensors: Any, src: int = 0) -> int:
+    real_sync = torchacc.parallel.engine.sync_tensors
+
+    def full_broadcast(tensors: Any, src: int = 0, **_: Any) -> int:  # everything, whatever each rank keeps
         tensors = list(tensors)
         broadcast_tensors(tensors, src=src)
         return len(tensors)
 
-    sync = full_broadcast if contender == "torchacc full broadcast" else torchacc.parallel.engine.sync_tensors
+    def whole_digests(tensors: Any, src: int = 0, **_: Any) -> int:  # every rank digests every tensor whole
+        return real_sync(tensors, src=src)
 
-    def timed_sync(tensors: Any, **kwargs: Any) -> int:
+    sync = {"torchacc full broadcast": full_broadcast, "torchacc whole digests": whole_digests}.get(
+        contender, torchacc.parallel.engine.sync_tensors
+    )
+
+    def timed_sync(tensors: Any, **kwargs: Any) -> int:  # called for the parameters, then the buffers
         start = time.perf_counter()
-        timings["sent"] = sync(tensors, **kwargs)
-        timings["sync_s"] = time.perf_counter() - start
-        return timings["sent"]
+        num_sent = sync(tensors, **kwargs)
+        timings["sent"] += num_sent
+        timings["sync_s"] += time.perf_counter() - start
+        return num_sent
 
     config = torchacc.Config()
     config.dist.fsdp.size = dist.get_world_size()
     config.dist.fsdp.wrap_layer_cls = {"GPT2Block"}
     config.dist.fsdp.sync_module_states = contender != "torchacc no sync"
-    real_sync, torchacc.parallel.engine.sync_tensors = torchacc.parallel.engine.sync_tensors, timed_sync
+    torchacc.parallel.engine.sync_tensors = timed_sync
     try:
         return torchacc.accelerate(model, config=config)
     finally:
@@ -104,7 +122,7 @@ def measure(contender: str, pristine: Any) -> dict[str, Any]:
     if contender == "torchacc, ranks differ" and dist.get_rank() != 0:
         with torch.no_grad():
             for param in model.parameters():
-                param.view(-1)[0] += 1.0
+                param.view(-1)[-1] += 1.0  # the last row: in rank 1's own chunk, which it must not keep
     timings: dict[str, float] = {"sent": 0, "sync_s": 0.0}
     gc.collect()
     dist.barrier()

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import torchacc
 import torchacc.parallel.engine
-from torchacc.distributed.collectives import sync_tensors
+from torchacc.distributed.sync import sync_tensors
 
 NUM_STEPS = 5
 LR = 1e-3
@@ -313,6 +313,7 @@ def fsdp_suite() -> dict:
         "collectives": collectives(),
         "stale_optimizer": stale_optimizer(),
         "sync": sync_states(),
+        "kept_chunk_sync": kept_chunk_sync(fsdp=2),
         "memory_report": report_scenarios.fsdp_reports(),
         "plain_output": plain_output_object(),
         "plan_oracle": plan_scenarios.oracle_two(),
@@ -324,6 +325,8 @@ def hsdp_suite() -> dict:
     return {
         "hsdp": train_gpt2(gpt2_config(fsdp=2, dp=2)),
         "hsdp_strided": train_gpt2(gpt2_config(fsdp=2, dp=2, dist__topology=["fsdp", "dp"]), num_steps=2),
+        "kept_chunk_sync": kept_chunk_sync(fsdp=2, dp=2),
+        "kept_chunk_sync_strided": kept_chunk_sync(fsdp=2, dp=2, strided=True),
         "meta_fsdp4": meta_init_state(fsdp=4),
         "meta_hsdp": meta_init_state(fsdp=2, dp=2),
         "meta_hsdp_rank_seeds": meta_init_state(fsdp=2, dp=2, rank_seeds=True),
@@ -368,6 +371,57 @@ def _sync_tensors() -> list[torch.Tensor]:
     ]
 
 
+def kept_chunk_sync(*, fsdp: int, dp: int | None = None, strided: bool = False) -> dict:
+    """accelerate()'s sync under plain FSDP/HSDP compares only the chunk of each parameter that a rank keeps.
+
+    Cases (rank 0 builds seed 0 unchanged in each): ``same``, every rank builds seed 0; ``kept``, every other rank
+    adds 1 to the first element of the chunk it keeps, in every parameter; ``dropped``, the same in a chunk it
+    drops (the next one). ``strided``: the topology ``["fsdp", "dp"]`` (rank r keeps chunk r // dp). Per case: the
+    tensors sent, the elements each rank digested, and whether every rank's sharded model, gathered, equals seed
+    0's (the oracle: what a rank keeps is rank 0's).
+    """
+    import torchacc.distributed.sync as sync
+
+    rank = torchacc.dist.rank()
+    shard = rank // (dp or 1) if strided else rank % fsdp  # the default topology has "fsdp" innermost
+    extra = {"dist__topology": ["fsdp", "dp"]} if strided else {}
+    reference = {n: p.detach().clone() for n, p in tiny_gpt2(seed=0).named_parameters()}
+    real_digest, real_sync = sync.tensor_digest, torchacc.parallel.engine.sync_tensors
+    read, sent = [0], [0]
+
+    def counting_digest(tensor):
+        read[0] += tensor.numel()
+        return real_digest(tensor)
+
+    def counting_sync(tensors, **kwargs):
+        num_sent = real_sync(tensors, **kwargs)
+        sent[0] += num_sent
+        return num_sent
+
+    result = {"num_elements": sum(t.numel() for t in reference.values())}
+    sync.tensor_digest, torchacc.parallel.engine.sync_tensors = counting_digest, counting_sync
+    try:
+        for case in ("same", "kept", "dropped"):
+            model = tiny_gpt2(seed=0)
+            if rank != 0 and case != "same":
+                chunk = shard if case == "kept" else (shard + 1) % fsdp
+                with torch.no_grad():
+                    for param in model.parameters():
+                        piece = torch.chunk(param, fsdp, dim=0)[chunk]
+                        piece.view(-1)[0] += 1.0
+            read[0] = sent[0] = 0
+            model = torchacc.accelerate(model, config=gpt2_config(fsdp=fsdp, dp=dp, **extra))
+            gathered = {n: p.full_tensor() for n, p in model.named_parameters()}
+            result[case] = {
+                "sent": sent[0],
+                "read": read[0],
+                "equal": all(torch.equal(gathered[n], reference[n]) for n in reference),
+            }
+    finally:
+        sync.tensor_digest, torchacc.parallel.engine.sync_tensors = real_digest, real_sync
+    return result
+
+
 def sync_states() -> dict:
     """sync_tensors sends only what differs from rank 0, and accelerate() goes through it."""
     rank = torchacc.dist.rank()
@@ -389,17 +443,19 @@ def sync_states() -> dict:
         num_mixed = sync_tensors(mixed)
     finally:
         dist.broadcast = real_broadcast
-    counts: list[int] = []
+    counts: list[tuple[int, int]] = []  # (tensors sent, tensors compared) per accelerate() call
     real_sync = torchacc.parallel.engine.sync_tensors
 
     def counting_sync(tensors, **kwargs):
         tensors = list(tensors)
-        counts.append((real_sync(tensors, **kwargs), len(tensors)))
-        return counts[-1][0]
+        num_sent = real_sync(tensors, **kwargs)
+        counts[-1] = (counts[-1][0] + num_sent, counts[-1][1] + len(tensors))
+        return num_sent
 
     torchacc.parallel.engine.sync_tensors = counting_sync
     try:
         for seed in (0, rank):
+            counts.append((0, 0))
             torchacc.accelerate(tiny_gpt2(seed=seed), config=gpt2_config(fsdp=2))
     finally:
         torchacc.parallel.engine.sync_tensors = real_sync

@@ -135,6 +135,24 @@ def test_sync_sends_only_the_tensors_that_differ(two_ranks):
         assert same == 0 and 0 < differ <= num_tensors, sync["engine_counts"]
 
 
+@pytest.mark.parametrize(
+    "launch, key",
+    [("two_ranks", "kept_chunk_sync"), ("four_ranks", "kept_chunk_sync"), ("four_ranks", "kept_chunk_sync_strided")],
+)
+def test_sync_compares_only_the_chunk_each_rank_keeps(launch, key, request):
+    """FSDP 2 at 2 ranks and HSDP 2 x 2 at 4: a difference in the chunk a rank keeps is sent, one in a chunk it
+    drops is not (sharding discards it), and every rank's gathered model is rank 0's; each rank other than 0
+    digests only its half of the weights (rank 0: the half rank 1 keeps at FSDP 2, both halves under HSDP, where
+    another rank keeps rank 0's chunk; also with the topology ["fsdp", "dp"])."""
+    for rank, rank_result in enumerate(request.getfixturevalue(launch)):
+        sync = rank_result[key]
+        assert sync["same"]["sent"] == 0 and sync["dropped"]["sent"] == 0, sync
+        assert sync["kept"]["sent"] == 28, "every parameter differs in a kept chunk on some rank"
+        assert all(sync[case]["equal"] for case in ("same", "kept", "dropped")), sync
+        if rank or launch == "two_ranks":
+            assert sync["same"]["read"] == sync["num_elements"] // 2, sync
+
+
 def test_a_model_whose_output_is_a_plain_object_trains(two_ranks):
     from scenarios import _PlainOutputNet
 

@@ -6,7 +6,7 @@ import torch
 
 from torchacc.distributed import _digest
 from torchacc.distributed._digest import tensor_digest
-from torchacc.distributed.collectives import sync_tensors
+from torchacc.distributed.sync import sync_tensors
 
 MASK = (1 << 64) - 1
 

@@ -102,8 +102,9 @@ class FSDPConfig(Node):
     forward changes no buffer). False lets each rank keep the statistics of its own batches."""
     sync_module_states: bool = True
     """Make every rank start from rank 0's parameters and buffers. With FSDP or HSDP the ranks first compare a
-    digest of each tensor, and only the tensors that differ from rank 0's are broadcast (nothing when all ranks
-    built the same model); plain DP leaves it to DDP, which broadcasts them all."""
+    digest of each tensor (under plain FSDP/HSDP, of the chunk each rank keeps), and only the tensors that differ
+    from rank 0's are broadcast (nothing when all ranks built the same model); plain DP leaves it to DDP, which
+    broadcasts them all."""
     init_from: str | None = None
     """A consolidated ``.pth`` file or a Hugging Face directory (safetensors) to load the weights from, after
     sharding: each rank reads only its slices (where only rank 0 can read it, rank 0 sends each tensor). Fills a

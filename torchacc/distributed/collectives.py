@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._digest import tensor_digest
 from .env import init_distributed, is_distributed
 
 __all__ = [
@@ -22,7 +21,6 @@ __all__ = [
     "all_reduce",
     "reduce",
     "broadcast_tensors",
-    "sync_tensors",
     "all_gather_object",
     "raise_on_any_rank",
     "meet",
@@ -181,39 +179,6 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, bucket_b
             flush(key)
     for key in list(buckets):
         flush(key)
-
-
-def sync_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, bucket_bytes: int = 64 << 20) -> int:
-    """Make ``tensors`` equal rank ``src``'s on every rank, sending only the tensors that differ.
-
-    Every rank digests each tensor's bytes (see [Note: the tensor digest] in ``_digest.py``), the digests
-    travel in one all-gather, and only the tensors whose digest differs from ``src``'s on some rank are
-    broadcast, bucketed as in :func:`broadcast_tensors`. Ranks that already agree pay one read of the tensors
-    and one message of 16 bytes per tensor.
-
-    Args:
-        tensors: the same shapes, dtypes and order on every rank, on the process group's device; updated in place.
-        src: the rank whose values win.
-        bucket_bytes: the size at which a bucket of differing tensors is sent.
-
-    Returns:
-        How many tensors were broadcast (the same on every rank); 0 in a world of one.
-
-    Example:
-        >>> torchacc.dist.collectives.sync_tensors([*model.parameters(), *model.buffers()])
-    """
-    tensors = list(tensors)
-    if not _active() or not tensors:
-        return 0
-    device = tensors[0].device
-    digests = torch.stack([tensor_digest(t).to(device) for t in tensors])
-    gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, digests)
-    table = torch.stack(gathered)
-    differs = (table != table[src]).any(dim=2).any(dim=0).tolist()
-    stale = [t for t, differ in zip(tensors, differs, strict=True) if differ]
-    broadcast_tensors(stale, src=src, bucket_bytes=bucket_bytes)
-    return len(stale)
 
 
 MEET_TIMEOUT = 300.0  # seconds a rank waits in meet() for the others before it raises

@@ -111,7 +111,7 @@ def _use_local_device() -> bool:
 
 
 # [Note: CPU collectives] torchacc communicates CPU tensors in a CUDA job: the digests and broadcasts of
-# sync_module_states over a model still on the CPU (collectives.sync_tensors), the buffer-sync flags
+# sync_module_states over a model still on the CPU (sync.sync_tensors), the buffer-sync flags
 # (parallel/_buffers.py), the fp16 overflow flag (parallel/precision.py), and every collective on
 # CPU-offloaded shards and gradients (clipping, full_tensor, optimizer state). DTensor and FSDP run the
 # latter on the mesh's groups, which take the default group's backends, so a gloo group beside it could not

@@ -31,6 +31,7 @@ __all__ = [
     "data_parallel_rank",
     "fsdp_submesh",
     "pp_submesh",
+    "shard_of_rank",
     "tp_submesh",
 ]
 
@@ -101,6 +102,17 @@ def build_mesh(
         if sizes[name] > 1 or name == "fsdp" or (name == "dp" and (tp_size > 1 or pp_size > 1))
     ]
     return DeviceMesh(device_type, grid.reshape([sizes[name] for name in names]), mesh_dim_names=tuple(names))
+
+
+def shard_of_rank(mesh: DeviceMesh) -> list[int]:
+    """Each global rank's shard index on a plain FSDP or HSDP ``mesh`` (``("fsdp",)`` or ``("dp", "fsdp")``, over
+    every rank): its coordinate on the ``"fsdp"`` axis, which is the chunk of each parameter FSDP2 leaves it."""
+    grid = mesh.mesh
+    coordinate = torch.arange(grid.shape[-1]).expand_as(grid)
+    index = [0] * grid.numel()
+    for rank, shard in zip(grid.flatten().tolist(), coordinate.flatten().tolist(), strict=True):
+        index[rank] = shard
+    return index
 
 
 def fsdp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

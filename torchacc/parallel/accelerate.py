@@ -102,9 +102,9 @@ def accelerate(
 
     # Everything above only checks; everything below may communicate.
     env.init_distributed(timeout=config.dist.timeout)
-    agree_on_config(config, None)
+    run_id = agree_on_config(config, None)
     mesh = layout.dims.build_mesh(device.type)
-    shard_model(model, layout, plan, mesh=mesh, device=device)
+    shard_model(model, layout, plan, mesh=mesh, device=device, run_id=run_id)
     install_metrics(model, loader, **dataclasses.asdict(config.metrics))  # metrics.every=0: installs nothing
     if optimizer is not None:
         remap_optimizer(optimizer, model)

@@ -7,6 +7,7 @@ the same ``ValueError`` on every rank, naming the fields or the rank.
 
 import hashlib
 import json
+import uuid
 from typing import Any
 
 from ..config import Config
@@ -17,9 +18,9 @@ from ..distributed.collectives import all_gather_object
 __all__ = ["agree_on_config", "report_config_error"]
 
 
-def agree_on_config(config: Config, error: Exception | None) -> None:
+def agree_on_config(config: Config, error: Exception | None) -> str:
     """Meet every rank once, before any other collective, and raise the same error everywhere when the ranks
-    disagree on the config or one of them found it invalid.
+    disagree on the config or one of them found it invalid; the same meeting hands every rank rank 0's run id.
 
     Ranks with different configs would build different meshes or units and die in a collective (a gloo
     abort, or a hang); a config error on one rank only would leave the others waiting. Every rank must call
@@ -29,15 +30,19 @@ def agree_on_config(config: Config, error: Exception | None) -> None:
         config: this rank's config.
         error: the error this rank's validation raised, or None.
 
+    Returns:
+        The run id of the accelerated model (see [Note: shard metadata]): a fresh hex string, rank 0's on every rank.
+
     Raises:
         ValueError: naming the fields that differ (with each rank's value), or another rank's error.
     """
+    run_id = uuid.uuid4().hex
     if not env.is_distributed():
-        return
+        return run_id
     flat = _flatten(config.to_dict())
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
-    reports = all_gather_object((digest, None if error is None else f"{type(error).__name__}: {error}"))
-    if len({d for d, _ in reports}) > 1:
+    reports = all_gather_object((digest, None if error is None else f"{type(error).__name__}: {error}", run_id))
+    if len({d for d, _, _ in reports}) > 1:
         configs = all_gather_object(flat)
         differing = sorted(k for k in set().union(*configs) if len({repr(c.get(k)) for c in configs}) > 1)
         details = "; ".join(
@@ -47,10 +52,11 @@ def agree_on_config(config: Config, error: Exception | None) -> None:
             f"the ranks were given different configs ({details}); every rank must build the same torchacc.Config: "
             "set these fields outside any rank-dependent branch"
         )
-    failed = [(rank, message) for rank, (_, message) in enumerate(reports) if message]
+    failed = [(rank, message) for rank, (_, message, _) in enumerate(reports) if message]
     if failed and error is None:
         rank, message = failed[0]
         raise ValueError(f"rank {rank} stopped at its checks before any collective: {message}")
+    return reports[0][2]
 
 
 def report_config_error(config: Config, error: Exception) -> None:

@@ -34,8 +34,9 @@ from .._utils.logging import warn_once
 from ..checkpoint.hf import save_pretrained
 from ..checkpoint.optimizer import attach_load_hook, shard_like, watch_optimizers
 from ..checkpoint.state import get_shard_metadata, load_state_dict
-from ..distributed.collectives import broadcast, sync_tensors
-from ..distributed.mesh import cp_submesh, fsdp_submesh, pp_submesh, tp_submesh
+from ..distributed.collectives import broadcast
+from ..distributed.mesh import cp_submesh, fsdp_submesh, pp_submesh, shard_of_rank, tp_submesh
+from ..distributed.sync import sync_tensors
 from ._buffers import broadcast_changed_buffers
 from ._forward import route_forward_through_call
 from .accelerated import (
@@ -100,6 +101,7 @@ def shard_model(
     parallelize_fn: ParallelizeFn | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     materialize: bool = True,
+    run_id: str | None = None,
 ) -> nn.Module:
     """Turn ``model`` into an accelerated model, in place. Every rank must call it (it communicates).
 
@@ -112,6 +114,7 @@ def shard_model(
         parallelize_fn: replaces the class-name wrapping: called as ``fn(model, mesh, mp_policy)``.
         mp_policy: replaces the policy derived from ``config.compute``.
         materialize: False for the planner's dry run (see [Note: dry run]): the model stays on the meta device.
+        run_id: the run id every rank already shares (``agree_on_config``'s); None: rank 0 draws one and sends it.
 
     Returns:
         ``model``, sharded, on ``device``, with ``get_shard_metadata`` and a ``load_state_dict`` that
@@ -120,7 +123,11 @@ def shard_model(
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if plan.meta else {}
     init_from = layout.init_from
     if mesh is not None and layout.sync_module_states and not plan.meta and init_from is None:
-        sync_tensors([*model.parameters(), *model.buffers()])  # on the full tensors, before anything is split
+        # On the full tensors, before anything is split. Under plain FSDP/HSDP only the chunk of each parameter
+        # that a rank keeps has to match rank 0's: each rank reads only that (see sync_tensors).
+        plain = parallelize_fn is None and set(mesh.mesh_dim_names or ()) <= {"dp", "fsdp"}
+        sync_tensors(list(model.parameters()), shard_of_rank=shard_of_rank(mesh) if plain else None)
+        sync_tensors(list(model.buffers()))
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
@@ -219,7 +226,8 @@ def shard_model(
     model.load_state_dict = MethodType(load_state_dict, model)
     if callable(getattr(model, "save_pretrained", None)):  # transformers' own cannot save sharded tensors
         model.save_pretrained = MethodType(save_pretrained, model)
-    run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
+    if run_id is None:
+        run_id = broadcast(uuid.uuid4().hex)  # every rank draws one; all keep rank 0's
     record_accelerated(model, AcceleratedState(layout, device, mesh, dtype, run_id, pipeline))
     log_summary(model)  # one line on rank 0: the layout and the parameter memory per rank
     return model
