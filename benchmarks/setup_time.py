@@ -27,9 +27,11 @@ measurement shards a ``copy.deepcopy`` of it (untimed), between a barrier and a 
 slowest rank's wall time. An untimed warm-up of every contender comes first, on a 1-layer model (lazy imports,
 first mesh) and again at each size: the first ``fully_shard`` of a size grows the process's heap, which took
 ~1 s at 162M parameters, whichever contender came first. The contender order rotates every round; the table
-shows medians over rounds with the min-max. ``sync s`` is the time inside the sync (digests, all-gather,
-broadcasts), slowest rank. A second table times ``tensor_digest`` over the model's parameters on one rank
-against ``torch.sum`` of the same tensors (one read of the same bytes, the memory-speed bound).
+shows medians over rounds with the min-max, and "vs FSDP2 by round" the median over rounds of each round's ratio
+to FSDP2 (the machine's speed drifts less within a round than across rounds). ``sync s`` is the time inside the
+sync (digests, all-gather, broadcasts), slowest rank. A second table times ``tensor_digest`` over the model's
+parameters on one rank against ``torch.sum`` of the same tensors (one read of the same bytes, the memory-speed
+bound).
 """
 
 import argparse
@@ -84,19 +86,19 @@ def shard(contender: str, model: Any, timings: dict[str, float]) -> Any:
 
     real_sync = torchacc.parallel.engine.sync_tensors
 
-    def full_broadcast(tensors: Any, src: int = 0, **_: Any) -> int:  # everything, whatever each rank keeps
-        tensors = list(tensors)
+    def full_broadcast(tensors: Any, src: int = 0, whole: Any = (), **_: Any) -> int:  # everything, whatever is kept
+        tensors = [*tensors, *whole]
         broadcast_tensors(tensors, src=src)
         return len(tensors)
 
-    def whole_digests(tensors: Any, src: int = 0, **_: Any) -> int:  # every rank digests every tensor whole
-        return real_sync(tensors, src=src)
+    def whole_digests(tensors: Any, src: int = 0, whole: Any = (), **_: Any) -> int:  # every rank reads all
+        return real_sync([*tensors, *whole], src=src)
 
     sync = {"torchacc full broadcast": full_broadcast, "torchacc whole digests": whole_digests}.get(
         contender, torchacc.parallel.engine.sync_tensors
     )
 
-    def timed_sync(tensors: Any, **kwargs: Any) -> int:  # called for the parameters, then the buffers
+    def timed_sync(tensors: Any, **kwargs: Any) -> int:
         start = time.perf_counter()
         num_sent = sync(tensors, **kwargs)
         timings["sent"] += num_sent
@@ -198,6 +200,7 @@ def summarize(results: list[dict[str, Any]], sizes: list[str]) -> tuple[str, str
                     {key: max(r[key] for r in ranks) for key in ("setup_s", "sync_s", "sent")}
                 )
         fsdp2 = median(r["setup_s"] for r in slowest["FSDP2"])
+        fsdp2_rounds = [r["setup_s"] for r in slowest["FSDP2"]]
         for contender in CONTENDERS:
             setup = [r["setup_s"] for r in slowest[contender]]
             sync = median(r["sync_s"] for r in slowest[contender])
@@ -212,6 +215,7 @@ def summarize(results: list[dict[str, Any]], sizes: list[str]) -> tuple[str, str
                     f"{sync:.3f}" if contender not in ("FSDP2", "torchacc no sync") else "-",
                     "/".join(map(str, sent)) if contender != "FSDP2" else "-",
                     f"{median(setup) / fsdp2:.2f}x",
+                    f"{median(a / b for a, b in zip(setup, fsdp2_rounds, strict=True)):.2f}x",
                 ]
             )
         speed = next(r["digest"] for r in results if r.get("size") == size and "digest" in r)
@@ -226,6 +230,7 @@ def summarize(results: list[dict[str, Any]], sizes: list[str]) -> tuple[str, str
             ]
         )
     headers = ["model", "params", "contender", "setup s", "min-max s", "sync s", "tensors sent", "vs FSDP2"]
+    headers.append("vs FSDP2 by round")  # the median of each round's ratio: the machine's drift cancels within a round
     speed_headers = ["model", "param GB", "digest ms", "digest GB/s", "torch.sum ms", "torch.sum GB/s"]
     return markdown_table(headers, rows), markdown_table(speed_headers, speed_rows)
 

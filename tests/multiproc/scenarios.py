@@ -446,16 +446,14 @@ def sync_states() -> dict:
     counts: list[tuple[int, int]] = []  # (tensors sent, tensors compared) per accelerate() call
     real_sync = torchacc.parallel.engine.sync_tensors
 
-    def counting_sync(tensors, **kwargs):
-        tensors = list(tensors)
-        num_sent = real_sync(tensors, **kwargs)
-        counts[-1] = (counts[-1][0] + num_sent, counts[-1][1] + len(tensors))
-        return num_sent
+    def counting_sync(tensors, *, whole=(), **kwargs):
+        tensors, whole = list(tensors), list(whole)
+        counts.append((real_sync(tensors, whole=whole, **kwargs), len(tensors) + len(whole)))
+        return counts[-1][0]
 
     torchacc.parallel.engine.sync_tensors = counting_sync
     try:
         for seed in (0, rank):
-            counts.append((0, 0))
             torchacc.accelerate(tiny_gpt2(seed=seed), config=gpt2_config(fsdp=2))
     finally:
         torchacc.parallel.engine.sync_tensors = real_sync

@@ -18,15 +18,16 @@ def sync_tensors(
     src: int = 0,
     bucket_bytes: int = 64 << 20,
     shard_of_rank: Sequence[int] | None = None,
+    whole: Iterable[torch.Tensor] = (),
 ) -> int:
-    """Make ``tensors`` equal rank ``src``'s where it matters, sending only the tensors that differ.
+    """Make ``tensors`` (and ``whole``) equal rank ``src``'s where it matters, sending only the tensors that differ.
 
     Every rank digests each tensor's bytes (see [Note: the tensor digest] in ``_digest.py``), the digests
     travel in one all-gather, and only the tensors whose digest differs from ``src``'s on some rank are
     broadcast, bucketed as in :func:`broadcast_tensors`. Ranks that already agree pay one read of the tensors
     and one message of 16 bytes per tensor.
 
-    With ``shard_of_rank`` the tensors are about to be sharded as FSDP2 shards a parameter: dim 0 cut into
+    With ``shard_of_rank`` the ``tensors`` are about to be sharded as FSDP2 shards a parameter: dim 0 cut into
     ``max(shard_of_rank) + 1`` chunks (``torch.chunk``), rank ``q`` keeping chunk ``shard_of_rank[q]`` and
     dropping the rest. Only what each rank keeps must equal ``src``'s, so each rank digests only its own chunk
     and ``src`` the chunks that other ranks keep (at FSDP 2 every rank reads half of each tensor instead of all
@@ -38,33 +39,41 @@ def sync_tensors(
         src: the rank whose values win.
         bucket_bytes: the size at which a bucket of differing tensors is sent.
         shard_of_rank: each global rank's chunk index, or None when every rank keeps the whole tensors.
+        whole: more tensors, compared whole on every rank (the buffers beside sharded parameters), in the same
+            collectives.
 
     Returns:
         How many tensors were broadcast (the same on every rank); 0 in a world of one.
 
     Example:
-        >>> sync_tensors([*model.parameters(), *model.buffers()])
+        >>> sync_tensors(model.parameters(), shard_of_rank=shard_of_rank(mesh), whole=model.buffers())
     """
-    tensors = list(tensors)
-    if not _active() or not tensors:
+    cut = [*((t, True) for t in tensors), *((t, False) for t in whole)]  # (tensor, cut into chunks)
+    if not _active() or not cut:
         return 0
-    device, world, rank = tensors[0].device, dist.get_world_size(), dist.get_rank()
+    device, world, rank = cut[0][0].device, dist.get_world_size(), dist.get_rank()
     shard_of_rank = list(shard_of_rank) if shard_of_rank is not None else [0] * world
     num_chunks = max(shard_of_rank) + 1
     # src digests every chunk that another rank keeps: its own only when a replica keeps it too (HSDP)
     wanted = {shard_of_rank[q] for q in range(world) if q != src}
-    zero, chunks = torch.zeros(2, dtype=torch.int64, device=device), range(num_chunks)
+    zero = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def digest(tensor: torch.Tensor, chunked: bool, chunk: int) -> torch.Tensor:
+        return tensor_digest(_kept(tensor, num_chunks, chunk) if chunked else tensor).to(device)
+
     if rank == src:  # [tensor, chunk, 2]; zeros for the chunks no other rank keeps
         reference = torch.stack(
             [
-                torch.stack([tensor_digest(_kept(t, num_chunks, c)) if c in wanted else zero for c in chunks])
-                for t in tensors
+                torch.stack([digest(t, chunked, c) if c in wanted else zero for c in range(num_chunks)])
+                if chunked
+                else digest(t, False, 0).expand(num_chunks, 2)
+                for t, chunked in cut
             ]
-        ).to(device)
+        )
         digests = reference[:, 0].contiguous() if num_chunks == 1 else torch.zeros_like(reference[:, 0])
     else:
-        digests = torch.stack([tensor_digest(_kept(t, num_chunks, shard_of_rank[rank])) for t in tensors]).to(device)
-        reference = torch.empty(len(tensors), num_chunks, 2, dtype=torch.int64, device=device)
+        digests = torch.stack([digest(t, chunked, shard_of_rank[rank]) for t, chunked in cut])
+        reference = torch.empty(len(cut), num_chunks, 2, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(digests) for _ in range(world)]
     dist.all_gather(gathered, digests)  # with one chunk, src's digests travel here as everyone's
     if num_chunks == 1:
@@ -75,7 +84,7 @@ def sync_tensors(
     expected = reference[:, shard_of_rank].transpose(0, 1)  # [rank, tensor, 2]: src's digest of what each keeps
     others = torch.tensor([q != src for q in range(world)], device=device)
     differs = ((table != expected).any(dim=2) & others[:, None]).any(dim=0).tolist()
-    stale = [t for t, differ in zip(tensors, differs, strict=True) if differ]
+    stale = [t for (t, _), differ in zip(cut, differs, strict=True) if differ]
     broadcast_tensors(stale, src=src, bucket_bytes=bucket_bytes)
     return len(stale)
 

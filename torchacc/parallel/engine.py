@@ -126,8 +126,7 @@ def shard_model(
         # On the full tensors, before anything is split. Under plain FSDP/HSDP only the chunk of each parameter
         # that a rank keeps has to match rank 0's: each rank reads only that (see sync_tensors).
         plain = parallelize_fn is None and set(mesh.mesh_dim_names or ()) <= {"dp", "fsdp"}
-        sync_tensors(list(model.parameters()), shard_of_rank=shard_of_rank(mesh) if plain else None)
-        sync_tensors(list(model.buffers()))
+        sync_tensors(model.parameters(), shard_of_rank=shard_of_rank(mesh) if plain else None, whole=model.buffers())
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
     originals = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()} if mesh is not None else {})
