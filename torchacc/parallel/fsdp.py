@@ -89,11 +89,7 @@ def check_units(model: nn.Module, layer_classes: Collection[type[nn.Module]]) ->
     FSDP2 all-gathers each unit's parameters as one buffer of one dtype, and cannot shard a parameter with
     no elements; both fail only at the first forward or backward, with an upstream error.
     """
-    units = plan_units(model, layer_classes)
-    owner: dict[int, str] = {}
-    for unit_name, unit in [("", model), *units]:  # parents first: a nested unit takes its parameters over
-        for param in unit.parameters():
-            owner[id(param)] = unit_name
+    unit_names = {name for name, _ in plan_units(model, layer_classes)}
     dtypes: dict[str, dict[torch.dtype, str]] = {}
     for name, param in model.named_parameters():
         if param.numel() == 0:
@@ -101,7 +97,7 @@ def check_units(model: nn.Module, layer_classes: Collection[type[nn.Module]]) ->
                 f"parameter {name!r} has no elements (shape {tuple(param.shape)}), which FSDP2 cannot shard; remove "
                 "it, or register it as a buffer (module.register_buffer) if it is not trained"
             )
-        dtypes.setdefault(owner[id(param)], {}).setdefault(param.dtype, name)
+        dtypes.setdefault(_innermost_unit(name, unit_names), {}).setdefault(param.dtype, name)
     for unit_name, found in dtypes.items():
         if len(found) > 1:
             listing = ", ".join(f"{str(dtype).removeprefix('torch.')} ({name})" for dtype, name in found.items())
@@ -111,6 +107,17 @@ def check_units(model: nn.Module, layer_classes: Collection[type[nn.Module]]) ->
                 "model to one dtype before accelerate() (compute.bf16 keeps float32 weights and computes in bf16), "
                 "or add the odd submodule's class to dist.fsdp.wrap_layer_cls so that it becomes a unit of its own"
             )
+
+
+def _innermost_unit(param_name: str, unit_names: set[str]) -> str:
+    """The innermost of ``unit_names`` that holds the parameter ``param_name`` ("" for the root): a nested unit
+    takes its parameters over from its parent, as ``fully_shard`` bottom-up does."""
+    parts = param_name.split(".")[:-1]
+    for depth in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:depth])
+        if prefix in unit_names:
+            return prefix
+    return ""
 
 
 def wrap_fsdp(

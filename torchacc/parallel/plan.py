@@ -79,10 +79,10 @@ def plan_model(
     cp = None
     if layout.dims.cp > 1:
         cp = resolve_context_parallel(model, size=layout.dims.cp, method=layout.cp_method, tp_size=layout.dims.tp)
-    names = {param: name for name, param in model.named_parameters()}
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        names = {param: name for name, param in model.named_parameters()}
         foreign = [p for group in optimizer.param_groups for p in group["params"] if p not in names]
         if foreign:
             raise ValueError(
