@@ -24,8 +24,8 @@ demo: setup
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a file's launches share their fixtures), the
 # slowest files first (tests/conftest.py; xdist's own reorder would start the files with the most tests first).
-# Quiet machine, 2026-11-25: 12m07s (771 s of CPU); three workers took 10m48s but load the 2 cores past what the
-# timing tests of tests/reliability tolerate.
+# Quiet machine, 2026-11-28 (venv present): 9m37s and 9m33s on two runs in a row, 10m40s-11m16s earlier that day (the
+# VM's speed drifts); three workers took 12m07s: the suite keeps both cores busy, so more workers only add waiting.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
