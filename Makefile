@@ -24,8 +24,8 @@ demo: setup
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a file's launches share their fixtures), the
 # slowest files first (tests/conftest.py; xdist's own reorder would start the files with the most tests first).
-# Quiet machine, 2026-11-28 (venv present): 9m37s and 9m33s on two runs in a row, 10m40s-11m16s earlier that day (the
-# VM's speed drifts); three workers took 12m07s: the suite keeps both cores busy, so more workers only add waiting.
+# Quiet machine, 2026-11-28 (venv present): 9m37s, 9m33s and 10m07s on three runs in a row, 10m40s-11m16s earlier that
+# day (the VM's speed drifts); three workers took 12m07s: the suite keeps both cores busy, more workers only wait.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
