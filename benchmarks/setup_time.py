@@ -19,8 +19,7 @@ send none of them, so ``accelerate()`` costs about what hand-written FSDP2 costs
 * ``FSDP2``: by hand: ``init_device_mesh`` and ``fully_shard`` on every ``GPT2Block``, then on the root, with
   ``MixedPrecisionPolicy(reduce_dtype=float32)``; it does not synchronize the ranks' weights at all.
 * ``torchacc, ranks differ``: ``accelerate()`` where rank 1 changed the last element of every parameter (in the
-  chunk it keeps), so every
-  parameter is sent: the worst case for the digest, against ``torchacc full broadcast``.
+  chunk it keeps), so every parameter is sent: the worst case for the digest, against ``torchacc full broadcast``.
 
 Method. One ``torchrun --nproc_per_node=2`` job. Each rank builds the model once per size and keeps it; each
 measurement shards a ``copy.deepcopy`` of it (untimed), between a barrier and a barrier, and records the

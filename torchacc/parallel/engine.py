@@ -125,7 +125,7 @@ def shard_model(
     if mesh is not None and layout.sync_module_states and not plan.meta and init_from is None:
         # On the full tensors, before anything is split. Under plain FSDP/HSDP only the chunk of each parameter
         # that a rank keeps has to match rank 0's: each rank reads only that (see sync_tensors).
-        plain = parallelize_fn is None and set(mesh.mesh_dim_names or ()) <= {"dp", "fsdp"}
+        plain = parallelize_fn is None and fsdp_submesh(mesh) is mesh  # the whole mesh shards: no TP, PP or CP axis
         sync_tensors(model.parameters(), shard_of_rank=shard_of_rank(mesh) if plain else None, whole=model.buffers())
     # Held weakly: each unit's unsharded parameters are freed as soon as fully_shard replaces them (holding them
     # kept the whole model alive through sharding, and every shard then took fresh memory).
