@@ -12,8 +12,10 @@ of another test), its environment set from the caller's. ``TORCHACC_TEST_SPAWN=e
 ``python tests/_worker_main.py`` instead, as before. Spawn several checks in one launch where you can.
 """
 
+import json
 import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -101,6 +103,22 @@ def run_target(target: str, out_path: str, args: tuple) -> None:
     torch.save(result, out_path)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def run_script(script: str, argv: str, env: str) -> None:
+    """Inside a rank: run ``script`` as ``__main__`` with ``argv`` and ``env`` (both JSON), as torchrun does.
+
+    ``launch(f"{_launch.__file__}:run_script", n, out, args=(script, json.dumps(argv), json.dumps(env)))`` runs a
+    script on ``n`` forked ranks; each rank's output is in ``out/rank<r>.log``.
+    """
+    os.environ.update(json.loads(env))
+    sys.argv = [script, *json.loads(argv)]
+    sys.path.insert(0, str(Path(script).parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
 
 
 def _run_rank(target: str, out_path: str, args: tuple, env: dict[str, str], log_path: str) -> None:

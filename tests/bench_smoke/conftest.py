@@ -12,30 +12,18 @@ peak per subprocess) keep running as subprocesses.
 
 import itertools
 import json
-import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _launch
 import pytest
 import torch
 from _launch import launch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def run_script(script: str, argv: str, env: str) -> None:
-    """Inside a forked rank: run ``script`` as ``__main__`` with ``argv`` and ``env`` (both JSON), as torchrun does."""
-    os.environ.update(json.loads(env))
-    sys.argv = [script, *json.loads(argv)]
-    sys.path.insert(0, str(Path(script).parent))
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise
 
 
 def _forked_run_torchrun(out_dir: Path) -> Callable[..., list[dict[str, Any]]]:
@@ -54,7 +42,7 @@ def _forked_run_torchrun(out_dir: Path) -> Callable[..., list[dict[str, Any]]]:
         echo: bool = True,
     ) -> list[dict[str, Any]]:
         job = out_dir / f"job{next(jobs)}"
-        launch(f"{__file__}:run_script", nproc, job, timeout=timeout or 600,
+        launch(f"{_launch.__file__}:run_script", nproc, job, timeout=timeout or 600,
                args=(script, json.dumps(list(args)), json.dumps(env or {})))  # fmt: skip
         results: list[dict[str, Any]] = []
         for rank in range(nproc):

@@ -1,7 +1,13 @@
-"""End-to-end: the examples run under torchrun (2 ranks, gloo) and as a plain process, without noise.
+"""End-to-end: the examples run on 2 ranks (gloo) and as a plain process, without noise.
 
-Every run's output (stdout and stderr) is checked for the warnings a wrong model config causes and for
-progress bars drawn by more than one rank (see ``assert_quiet``).
+The main example runs under the real ``torchrun`` inside consolidate.sh, then the offline tools as the user's
+shell runs them (test_multinode.py and tests/reliability run torchrun's agent too). The other examples run on
+ranks forked from tests/_launch.py's pre-imported server with torchrun's environment, each running the script as
+``__main__`` (see [Note: forked ranks]): what torchrun would add is its agent and each rank's imports, seconds of
+CPU that the suite pays once.
+
+Every run's output (stdout and stderr, every rank's) is checked for the warnings a wrong model config causes and
+for progress bars drawn by more than one rank (see ``assert_quiet``).
 """
 
 import collections
@@ -11,6 +17,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import _launch
+from _launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt2.py"
@@ -49,6 +58,16 @@ def run(cmd: list[str], timeout: float = 300, **env_vars: str) -> str:
     return proc.stdout
 
 
+def run_ranks(script: Path, args: list[str], out: Path, *, nproc: int = 2) -> str:
+    """Run ``script`` with ``args`` on ``nproc`` forked ranks, as ``torchrun --nproc_per_node=nproc`` would; check
+    they succeed quietly (``assert_quiet`` over every rank's output); return rank 0's output."""
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    launch(f"{_launch.__file__}:run_script", nproc, out, args=(str(script), json.dumps(args), json.dumps(env)))
+    logs = [(out / f"rank{rank}.log").read_text() for rank in range(nproc)]
+    assert_quiet("".join(logs))
+    return logs[0]
+
+
 def final_losses(stdout: str) -> tuple[float, float, int]:
     match = re.search(r"loss ([\d.]+) -> ([\d.]+) after \d+ steps on (\d+) rank", stdout)
     assert match, f"no loss summary in:\n{stdout[-2000:]}"
@@ -63,23 +82,12 @@ def test_gpt2_example_runs_as_one_process_without_torchrun(tmp_path):
 
 
 def test_strategy_loop_trains_rotates_resumes_and_exports(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "examples" / "strategy_loop.py"),
-        "--out",
-        str(tmp_path),
-        "--steps",
-        "3",
-    ]
-    first = run(cmd)
+    script, args = ROOT / "examples" / "strategy_loop.py", ["--out", str(tmp_path), "--steps", "3"]
+    first = run_ranks(script, args, tmp_path / "first")
     assert "starting from scratch" in first and "done at step 3" in first
     assert [line.split()[1] for line in first.splitlines() if line.startswith("step ")] == ["1", "2", "3"]
     assert "checkpoints: ['global_step2', 'global_step3', 'latest']" in first
-    second = run(cmd)
+    second = run_ranks(script, args, tmp_path / "second")
     assert "resumed from global_step3" in second and "done at step 6" in second
     # the metrics of both runs, the resumed one counting on from the optimizer's restored step
     assert f"metrics: {tmp_path / 'metrics' / 'metrics.jsonl'} (plot: torchacc plot {tmp_path / 'metrics'})" in second
@@ -145,9 +153,8 @@ def test_consolidate_sh_trains_from_yaml_consolidates_exports_and_generates(tmp_
     assert "generated: 'the" in out and f"logits match {shards / 'consolidated.pth'}" in out
 
 
-def test_cnn_example_trains_with_fsdp_over_conv_blocks():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    out = run(cmd + [str(ROOT / "examples" / "train_cnn.py"), "--steps", "8"])
+def test_cnn_example_trains_with_fsdp_over_conv_blocks(tmp_path):
+    out = run_ranks(ROOT / "examples" / "train_cnn.py", ["--steps", "8"], tmp_path)
     match = re.search(r"loss ([\d.]+) -> ([\d.]+), held-out accuracy (\d+)% after 8 steps on 2 rank", out)
     assert match, out[-2000:]
     first, last, accuracy = float(match.group(1)), float(match.group(2)), int(match.group(3))
