@@ -60,11 +60,15 @@ def run(cmd: list[str], timeout: float = 300, **env_vars: str) -> str:
 
 def run_ranks(script: Path, args: list[str], out: Path, *, nproc: int = 2) -> str:
     """Run ``script`` with ``args`` on ``nproc`` forked ranks, as ``torchrun --nproc_per_node=nproc`` would; check
-    they succeed quietly (``assert_quiet`` over every rank's output); return rank 0's output."""
+    they succeed quietly (``assert_quiet`` over every rank's output) and that only rank 0 prints (the examples
+    print on the global master alone); return rank 0's output."""
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     launch(f"{_launch.__file__}:run_script", nproc, out, args=(str(script), json.dumps(args), json.dumps(env)))
     logs = [(out / f"rank{rank}.log").read_text() for rank in range(nproc)]
-    assert_quiet("".join(logs))
+    assert_quiet("\n".join(logs))
+    for rank, log in enumerate(logs[1:], start=1):
+        printed = [line for line in log.splitlines() if re.match(r"(step |done at |loss |resumed |starting )", line)]
+        assert not printed, f"rank {rank} printed what only rank 0 should:\n{printed}"
     return logs[0]
 
 

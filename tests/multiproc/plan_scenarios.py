@@ -18,7 +18,7 @@ from torchacc.data.context import split_sequences
 from torchacc.parallel import memory_tracking
 
 BATCH = 2
-MEASURED_STEPS = 3  # see measure()
+MEASURED_STEPS = 5  # see measure()
 # name -> (model, {dotted config setting: value}); the world size is the launch's
 TWO = {
     "gpt2_fsdp": ("gpt2", {"dist.fsdp.size": 2}),
@@ -57,7 +57,8 @@ def wrap_classes(kind: str) -> set[str]:
 def measure(kind: str, settings: dict) -> dict:
     """Real steps after a first one: the held bytes and the measured peak of this rank (the least of
     ``MEASURED_STEPS`` steps: under CP the order in which gloo's asynchronous transfers finish can keep one more
-    buffer alive through the peak, 144 KiB more on about one step in four, which no estimate can foresee).
+    buffer alive through the peak, 144 KiB more on one step in four or in two, which no estimate can foresee; the
+    least of 5 steps still fails an estimate off by more than 10%).
 
     ``track_memory`` counts every tensor alive in the process, like CUDA's allocator; the scenarios that ran
     before in this launch leave some alive (their results), so those bytes are subtracted.
