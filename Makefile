@@ -24,8 +24,10 @@ demo: setup
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a file's launches share their fixtures), the
 # slowest files first (tests/conftest.py; xdist's own reorder would start the files with the most tests first).
-# Quiet machine, 2026-11-28 (venv present): 9m37s, 9m33s and 10m07s on three runs in a row, 10m40s-11m16s earlier that
-# day (the VM's speed drifts); three workers took 12m07s: the suite keeps both cores busy, more workers only wait.
+# Quiet machine, 2026-11-28 (venv present), after the examples moved onto forked ranks and forked ranks froze their
+# inherited objects: 8m49s, 8m34s and 8m53s (pytest 525 s, 508 s, 528 s; 97 % of both cores busy). The VM's speed
+# drifts (a pure-Python probe took 277-540 ms over the day; before these changes 8m35s-11m16s); three workers took
+# 12m07s: the suite keeps both cores busy, more workers only wait.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
