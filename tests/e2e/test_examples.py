@@ -23,6 +23,9 @@ from _launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt2.py"
+# Every example runs offline, one thread per rank (forked ranks keep the server's HF_HUB_OFFLINE, which
+# huggingface_hub reads once, at import; these examples never call the Hub).
+ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 # transformers' warnings for a model config that does not fit the model or the data: GPT2Config's default
 # bos/eos (50256) outside a small vocabulary, a model whose loss transformers cannot tell from its class name,
@@ -49,7 +52,7 @@ def assert_quiet(output: str) -> None:
 
 def run(cmd: list[str], timeout: float = 300, **env_vars: str) -> str:
     """Run ``cmd`` from the repository root, offline; check it succeeds quietly (``assert_quiet``); return stdout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env_vars}
+    env = {**os.environ, **ENV, **env_vars}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -62,8 +65,7 @@ def run_ranks(script: Path, args: list[str], out: Path, *, nproc: int = 2) -> st
     """Run ``script`` with ``args`` on ``nproc`` forked ranks, as ``torchrun --nproc_per_node=nproc`` would; check
     they succeed quietly (``assert_quiet`` over every rank's output) and that only rank 0 prints (the examples
     print on the global master alone); return rank 0's output."""
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    launch(f"{_launch.__file__}:run_script", nproc, out, args=(str(script), json.dumps(args), json.dumps(env)))
+    launch(f"{_launch.__file__}:run_script", nproc, out, args=(str(script), json.dumps(args), json.dumps(ENV)))
     logs = [(out / f"rank{rank}.log").read_text() for rank in range(nproc)]
     assert_quiet("\n".join(logs))
     for rank, log in enumerate(logs[1:], start=1):
@@ -126,9 +128,7 @@ def test_consolidate_sh_trains_from_yaml_consolidates_exports_and_generates(tmp_
     venv_bin = str(Path(sys.executable).parent)
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
+        **ENV,
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "STEPS": "10",
         "OVERRIDES": "memory.gc=true dataloader.seed=3",
