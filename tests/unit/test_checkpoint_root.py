@@ -87,3 +87,80 @@ def test_a_save_still_in_flight_is_published_at_exit(tmp_path):
     assert torchacc.latest_checkpoint(root) == proc.stdout.strip() == str(root / "checkpoint-1")
     assert sorted(os.listdir(root)) == ["checkpoint-1", "latest"], "no staging left, the writer's claim released"
     assert torchacc.load_checkpoint(root, model=TinyNet()) == {"step": 1}
+
+
+def test_torchrun_without_a_run_id_does_not_make_two_jobs_one(tmp_path, monkeypatch):
+    # torchrun without --standalone or --rdzv-id gives every job the run id "none"
+    root, model = tmp_path / "ckpt", TinyNet()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+        claim(root, pid=sleeper.pid, run_id="none")
+        with pytest.raises(RuntimeError, match=rf"another live job \(host {fs._HOST}, pid {sleeper.pid}"):
+            torchacc.save_checkpoint(root, model=model)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_writer_that_claims_between_read_and_write_wins(tmp_path, monkeypatch):
+    # two jobs saving at the same moment both read "no writer": only one may then claim the root
+    from torchacc.checkpoint import directory
+
+    root, model = tmp_path / "ckpt", TinyNet()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    real_read = directory._read_writer
+    reads = []
+
+    def read_before_the_other_claims(path):
+        if not reads:  # the other job's claim lands right after this job's first read
+            reads.append(path)
+            claim(root, pid=sleeper.pid)
+            return None
+        return real_read(path)
+
+    try:
+        root.mkdir()
+        monkeypatch.setattr(directory, "_read_writer", read_before_the_other_claims)
+        with pytest.raises(RuntimeError, match=rf"another live job \(host {fs._HOST}, pid {sleeper.pid}"):
+            torchacc.save_checkpoint(root, model=model)
+        assert json.loads((root / WRITER).read_text())["pid"] == sleeper.pid, "the first claim stands"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_leftover_cleanup_touches_only_what_torchacc_wrote(tmp_path):
+    root, model = tmp_path / "ckpt", TinyNet()
+    torchacc.save_checkpoint(root, model=model)
+    (root / ".cache.incomplete").mkdir()
+    (root / ".cache.incomplete" / "data.bin").write_bytes(b"mine")
+    (root / ".mydata.replaced").mkdir()
+    (root / ".notes.incomplete").write_text("a file, not a folder")
+    torchacc.save_checkpoint(root, model=model)  # cleans the leftovers of killed saves: none of these
+    assert (root / ".cache.incomplete" / "data.bin").read_bytes() == b"mine"
+    assert (root / ".mydata.replaced").is_dir() and not (root / "mydata").exists()
+    assert (root / ".notes.incomplete").read_text() == "a file, not a folder"
+    (root / "checkpoint-9").mkdir()  # a user's folder under a tag's name is not replaced either
+    with pytest.raises(RuntimeError, match=r"checkpoint-9'? .*not written by torchacc.*another tag"):
+        torchacc.save_checkpoint(root, model=model, tag="checkpoint-9")
+    assert os.listdir(root / "checkpoint-9") == []
+
+
+def test_a_missing_checksum_manifest_is_refused(tmp_path):
+    root, model = tmp_path / "ckpt", TinyNet()
+    path = Path(torchacc.save_checkpoint(root, model=model))
+    (path / "checksums.json").unlink()
+    with pytest.raises(ValueError, match=r"checksums.json.* missing.*written with one.*verify=False"):
+        torchacc.load_checkpoint(path, model=TinyNet())
+    torchacc.load_checkpoint(path, model=TinyNet(), verify=False)
+
+
+def test_state_that_would_not_load_back_is_refused_at_save(tmp_path):
+    import numpy as np
+
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=np.float64(1e-3))
+    with pytest.raises(ValueError, match=r"optimizer state \(param_groups\) holds values .*numpy.*float\(value\)"):
+        torchacc.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer)
+    assert torchacc.latest_checkpoint(tmp_path / "ckpt") is None

@@ -291,7 +291,7 @@ class _ReadsItsWeights(nn.Module):
             r"constructor must not read weight values",
         ),
         ("/no/such/dir", {}, r"model path '/no/such/dir' holds no config.json"),
-        (lambda: TinyNet(), {}, r"TinyNet has no config.vocab_size, .* pass batch_fn="),
+        (lambda: TinyNet(), {"dist__fsdp__wrap_layer_cls": {"Block"}}, r"TinyNet has no config.vocab_size"),
         (lambda: tiny_llama(), {"dist__fsdp__size": 3}, r"dist.fsdp.size=3 does not divide world size 4"),
         (lambda: tiny_llama(), {"dist__tp__size": 4}, r"dist.tp.size=4 does not divide num_key_value_heads=2"),
     ],
@@ -414,3 +414,95 @@ def test_pipeline_and_context_layouts_that_cannot_exist(kwargs, error):
     with pytest.raises(ValueError, match=error):
         torchacc.estimate_memory(lambda: tiny_llama(), config_of(**kwargs), world_size=4, micro_batch_size=1,
                                  seq_len=8, device_type="cpu")  # fmt: skip
+
+
+# --- what an outside review found (each failed before its fix) -------------------------------------------------
+
+
+def test_estimate_refuses_compile_with_tp_as_accelerate_does():
+    config = config_of(dist__tp__size=2, compute__compile=True)
+    with pytest.raises(ValueError, match=r"compute.compile=True with dist.tp.size=2: dist.tp.plan splits .*lm_head"):
+        torchacc.estimate_memory(llama_config(2), config, world_size=2, micro_batch_size=1, seq_len=8)
+
+
+@pytest.mark.parametrize("compile_first", [False, True])
+def test_planner_refusals_do_not_depend_on_the_candidate_order(compile_first):
+    from torchacc.planning.candidates import Choice
+
+    compiled = [Choice("", {"compute.compile": False}), Choice("compiled", {"compute.compile": True})]
+    tp2 = [Choice("tp=2", {"dist.fsdp.size": 1, "dist.dp.size": None, "dist.tp.size": 2})]
+    order = compiled[::-1] if compile_first else compiled
+    plan = plan_layouts(llama_config(2), cluster=Cluster(num_gpus=2, gpus_per_node=2), micro_batch_size=1,
+                        seq_len=8, axes=[lambda c: tp2, lambda c: order])  # fmt: skip
+    assert [row.candidate.label for row in plan.layouts] == ["tp=2"]
+    assert [(c.label, "compute.compile=True with dist.tp.size=2" in e) for c, e in plan.refused] == [
+        ("tp=2, compiled", True)]  # fmt: skip
+
+
+def test_tp_cp_and_pipeline_groups_stay_inside_nodes_and_ddp_is_no_candidate():
+    from torchacc.planning.candidates import context_layouts, pipeline_layouts
+
+    labels = [c.label for c in parallel_axis(Cluster(num_gpus=12, gpus_per_node=6))]
+    assert "fsdp=6 x tp=2" in labels and not any("tp=4" in label for label in labels)  # 4 does not divide 6
+    assert not any("cp=4" in c.label for c in context_layouts(Cluster(num_gpus=12, gpus_per_node=6)))
+    # 3 nodes: no stage boundary may cut a node, so no pipeline of 2 or 4 stages
+    assert pipeline_layouts(Cluster(num_gpus=24, gpus_per_node=8)) == []
+    assert [c.label for c in pipeline_layouts(Cluster(num_gpus=32, gpus_per_node=8))] == [
+        "pp=2 x fsdp=16", "pp=4 x fsdp=8"]  # fmt: skip
+    # one GPU per node: replicas of fsdp=1 would be plain DDP, which the planner does not offer
+    assert [c.label for c in parallel_axis(Cluster(num_gpus=2, gpus_per_node=1))] == ["fsdp=2"]
+
+
+def test_offload_is_no_layout_of_its_own_where_accelerate_ignores_it():
+    from torchacc.planning.candidates import Choice, offload_axis
+
+    layouts = [Choice("fsdp=2", {"dist.fsdp.size": 2, "dist.tp.size": 1}),
+               Choice("tp=2", {"dist.fsdp.size": 1, "dist.dp.size": None, "dist.tp.size": 2})]  # fmt: skip
+    plan = plan_layouts(llama_config(2), cluster=Cluster(num_gpus=2, gpus_per_node=2), micro_batch_size=1,
+                        seq_len=8, axes=[lambda c: layouts, offload_axis])  # fmt: skip
+    assert sorted(row.candidate.label for row in plan.layouts) == ["fsdp=2", "fsdp=2, CPU offload", "tp=2"]
+
+
+def test_a_base_config_that_cannot_be_is_one_error_not_an_empty_plan(tmp_path, capsys):
+    config = config_of(compute__bf16=True, compute__fp16=True)
+    with pytest.raises(ValueError, match=r"compute.bf16 and compute.fp16 are both True"):
+        plan_layouts(llama_config(2), cluster=Cluster(num_gpus=2), micro_batch_size=1, seq_len=8, config=config)
+
+
+class _BranchesOnValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": 16})()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, input_ids, labels):
+        hidden = self.embed(input_ids)
+        if hidden.mean().item() > 0:  # a value: a fake tensor has none
+            hidden = hidden * 2
+        return hidden.float().pow(2).mean()
+
+
+def test_a_forward_that_reads_values_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"_BranchesOnValues's forward reads tensor values .*\.item\(\).*track_memory"):
+        torchacc.estimate_memory(_BranchesOnValues, torchacc.Config(), world_size=1, micro_batch_size=1, seq_len=4)
+
+
+def test_planner_traces_an_int_reshard_after_forward_as_it_is():
+    from torchacc.planning.candidates import Choice
+
+    base = config_of(dist__fsdp__reshard_after_forward=2)
+    layouts = [Choice("fsdp=8", {"dist.fsdp.size": 8, "dist.tp.size": 1})]
+    plan = plan_layouts(llama_config(3), cluster=Cluster(num_gpus=8), micro_batch_size=2, seq_len=SEQ, config=base,
+                        axes=[lambda c: layouts])  # fmt: skip
+    (row,) = plan.layouts
+    full = torchacc.estimate_memory(llama_config(3), row.config, world_size=8, micro_batch_size=2, seq_len=SEQ)
+    assert row.estimate.peak == pytest.approx(full.peak, rel=0.05)
+
+
+def test_the_sync_leaves_no_digest_weights_behind():
+    from torchacc.distributed import _digest
+    from torchacc.distributed.sync import sync_tensors
+
+    with fake_process_group(world_size=2, rank=0):
+        sync_tensors([torch.ones(70_000), torch.ones(3)], shard_of_rank=[0, 1])
+    assert _digest._weights_cache == {} and _digest._weights.cache_info().currsize == 0

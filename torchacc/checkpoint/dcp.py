@@ -111,6 +111,12 @@ def save_state(
             directory.claim_writer(root)
             directory.clean_leftovers(root)
             tag = tag or directory.next_tag(root)
+            final = os.path.join(root, tag)
+            if os.path.exists(final) and not directory.is_marked(final):  # re-saving replaces only our own
+                raise RuntimeError(
+                    f"tag={tag!r} names {final!r}, a folder not written by torchacc (no {directory.MARKER} naming "
+                    "it), which the save would replace; use another tag"
+                )
         except OSError as exc:
             error = describe_os_error(exc, exc.filename or root)
         except RuntimeError as exc:
@@ -126,6 +132,9 @@ def save_state(
     for key, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
         if obj is not None:
             state[key] = storage.encode(obj.state_dict())
+    # what is not a tensor must load back with weights_only=True, or a resume would fail at every restart
+    problem = next(filter(None, (_unloadable(state[k], what) for k, what in _DECODED.items() if k in state)), None)
+    raise_on_any_rank(problem, what=f"save_checkpoint({root!r})", error_type=ValueError)
     state[f"extra/rank-{env.rank()}"] = storage.encode(dict(extra or {}))
     state[f"rng/rank-{env.rank()}"] = storage.encode(get_rng_state())
     state["torchacc"] = storage.encode({"world_size": env.world_size(), "format": FORMAT, "layout": layout_of(model)})
@@ -190,18 +199,28 @@ def _check_args(model: Any, scheduler: Any, dataloader: Any, extra: Any, keep: A
         raise ValueError(f"keep={keep!r} must be None (keep every checkpoint) or an int >= 1, the checkpoints to keep")
 
 
+_DECODED = {"optim_param_groups": "the optimizer state (param_groups)", "scheduler": "the scheduler's state_dict()",
+            "dataloader": "the dataloader's state_dict()"}  # fmt: skip
+
+
 def _extra_problem(extra: dict[str, Any] | None) -> str | None:
     """Why ``extra`` would not load back without ``weights_only=False``, or None (checked on every rank)."""
     try:
-        storage.decode(storage.encode(extra or {}), weights_only=True, what="extra")
+        return _unloadable(storage.encode(extra or {}), "extra=")
+    except Exception as exc:
+        return f"extra= cannot be saved: {type(exc).__name__}: {exc}"
+
+
+def _unloadable(blob: bytes, what: str) -> str | None:
+    """Why the encoded ``blob`` (``what``) would not load back without ``weights_only=False``, or None."""
+    try:
+        storage.decode(blob, weights_only=True, what=what)
     except storage.UnsafeFileError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         return (
-            f"extra= holds values that could not be loaded back without running code"
+            f"{what} holds values that could not be loaded back without running code"
             f"{f' (found {found.group(1)})' if found else ''}"
-            "; keep tensors, containers, numbers and strings (a numpy array: torch.from_numpy(array); an object: its "
-            "state as a dict)"
+            "; keep tensors, containers, numbers and strings (a numpy number: float(value) or int(value); a numpy "
+            "array: torch.from_numpy(array); an object: its state as a dict)"
         )
-    except Exception as exc:
-        return f"extra= cannot be saved: {type(exc).__name__}: {exc}"
     return None

@@ -10,7 +10,10 @@ place. Leftovers of a killed save are removed (or a ``.replaced`` one restored) 
 torchrun leaves its workers running). The first save of a job claims the root in ``WRITER`` (host, pid, the
 torchrun run id, a token of this process) and refreshes it every ``HEARTBEAT`` seconds; a later job is refused
 while that writer lives. A writer is dead when its process is gone (same host), when its file has not been
-refreshed for ``STALE`` seconds, or when it is an earlier attempt of the same torchrun job (a restart).
+refreshed for ``STALE`` seconds, or when it is an earlier attempt of the same torchrun job (a restart; torchrun's
+run id "none", which every job launched without ``--standalone`` or ``--rdzv-id`` has, names no job). A claim is
+created whole and only if there is none (``os.link``), and a dead writer's file is moved away by one claimant only
+(``os.rename``), so two jobs saving at the same moment cannot both take the root.
 """
 
 import atexit
@@ -63,10 +66,11 @@ def next_tag(directory: str) -> str:
 
 
 def clean_leftovers(directory: str) -> None:
-    """Remove what killed saves left behind; restore a checkpoint moved aside by an interrupted re-save."""
+    """Remove what killed saves left behind; restore a checkpoint moved aside by an interrupted re-save. Only
+    folders carrying the marker of their tag count: a user's ``.x.incomplete`` beside them is never touched."""
     remove_stale_temps(os.path.join(directory, LATEST))
     for name in os.listdir(directory):
-        if m := _LEFTOVER.match(name):
+        if (m := _LEFTOVER.match(name)) and _marker(os.path.join(directory, name)).get("tag") == m.group(1):
             path, target = os.path.join(directory, name), os.path.join(directory, m.group(1))
             if m.group(2) == "replaced" and not os.path.exists(target):
                 os.replace(path, target)
@@ -74,19 +78,30 @@ def clean_leftovers(directory: str) -> None:
                 shutil.rmtree(path)
 
 
-def write_marker(staging: str, tag: str) -> None:
-    """Mark a checkpoint directory as written by ``save_checkpoint`` under ``tag``."""
+def write_marker(staging: str, tag: str | None) -> None:
+    """Mark a checkpoint directory as written by torchacc (by ``save_checkpoint`` under ``tag``), with a checksum
+    manifest that loading must then find."""
     with open(os.path.join(staging, MARKER), "w") as f:
-        json.dump({"format": "torchacc-checkpoint/1", "tag": tag}, f)
+        json.dump({"format": "torchacc-checkpoint/1", "tag": tag, "checksums": True}, f)
+
+
+def _marker(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            found = json.load(f)
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def is_marked(path: str) -> bool:
     """True for a directory ``save_checkpoint`` wrote under its current name: the only ones rotation deletes."""
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            return json.load(f).get("tag") == os.path.basename(os.path.normpath(path))
-    except (OSError, ValueError, AttributeError):
-        return False
+    return _marker(path).get("tag") == os.path.basename(os.path.normpath(path))
+
+
+def has_checksums(path: str) -> bool:
+    """True for a checkpoint written with a checksum manifest (its marker says so; older ones have none)."""
+    return _marker(path).get("checksums") is True
 
 
 def publish(staging: str, final: str) -> None:
@@ -176,11 +191,17 @@ _claimed: set[str] = set()
 
 
 def _read_writer(path: str) -> dict[str, Any] | None:
+    """The claim in ``path`` with its age, None when there is none; an unreadable one (claims are created whole)
+    is no live writer's."""
     try:
         with open(path) as f:
-            return {**json.load(f), "age": time.time() - os.path.getmtime(path)}
-    except (OSError, ValueError):
+            found = json.load(f)
+        age = time.time() - os.path.getmtime(path)
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError):
+        found, age = None, float("inf")
+    return {**found, "age": age} if isinstance(found, dict) else {"age": float("inf")}
 
 
 def claim_writer(directory: str) -> None:
@@ -189,25 +210,57 @@ def claim_writer(directory: str) -> None:
     Raises:
         RuntimeError: another live job writes there; the message names its host and process.
     """
-    path, run_id = os.path.join(directory, WRITER), os.environ.get("TORCHELASTIC_RUN_ID", "")
-    other = _read_writer(path)
-    if other is not None and other.get("token") != _token:
-        same_job = bool(run_id) and other.get("run_id") == run_id
-        gone = other.get("host") == fs._HOST and not fs._alive(int(other.get("pid", 0)))
-        if not (same_job or gone or other["age"] > STALE):
-            raise RuntimeError(
-                f"{directory!r} is the checkpoint root of another live job (host {other.get('host')}, pid "
-                f"{other.get('pid')}, alive {other['age']:.0f} s ago), and two writers would bury each other's "
-                f"checkpoints; stop that job first (its workers too, see docs/launching.md, 'Stopping a job'), or "
-                f"save into another directory. A writer that died is ignored after {STALE:.0f} s"
-            )
-    if other is None or other.get("token") != _token:
-        me = {"host": fs._HOST, "pid": os.getpid(), "run_id": run_id, "token": _token}
-        fs.atomic_write_text(path, json.dumps(me))
+    path = os.path.join(directory, WRITER)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = "" if run_id == "none" else run_id  # torchrun's id of a job launched without one
+    for _ in range(10):  # each pass either claims, refuses, or saw another claimant move first
+        other = _read_writer(path)
+        if other is not None and other.get("token") == _token:
+            break
+        if other is not None:
+            same_job = bool(run_id) and other.get("run_id") == run_id
+            gone = other.get("host") == fs._HOST and not fs._alive(int(other.get("pid", 0)))
+            if not (same_job or gone or other["age"] > STALE):
+                raise RuntimeError(
+                    f"{directory!r} is the checkpoint root of another live job (host {other.get('host')}, pid "
+                    f"{other.get('pid')}, alive {other['age']:.0f} s ago), and two writers would bury each other's "
+                    f"checkpoints; stop that job first (its workers too, see docs/launching.md, 'Stopping a job'), "
+                    f"or save into another directory. A writer that died is ignored after {STALE:.0f} s"
+                )
+            if not _take_away(path):
+                continue
+        if _create_claim(path, {"host": fs._HOST, "pid": os.getpid(), "run_id": run_id, "token": _token}):
+            break
+    else:
+        raise RuntimeError(f"could not claim {directory!r} as its one checkpoint writer: other jobs keep claiming it")
     if directory not in _claimed:
         _claimed.add(directory)
         threading.Thread(target=_heartbeat, args=(path,), name="torchacc-writer", daemon=True).start()
         atexit.register(_release, path)
+
+
+def _take_away(path: str) -> bool:
+    """Move a dead writer's claim out of the way; False when another claimant moved it first."""
+    aside = fs.temp_path(path)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    os.remove(aside)
+    return True
+
+
+def _create_claim(path: str, me: dict[str, Any]) -> bool:
+    """Create the claim whole, unless one exists (a hard link fails on an existing name); False if one does."""
+    staged = fs.temp_path(path)
+    fs.atomic_write_text(staged, json.dumps(me))
+    try:
+        os.link(staged, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(staged)
+    return True
 
 
 def _heartbeat(path: str) -> None:

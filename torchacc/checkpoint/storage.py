@@ -34,6 +34,7 @@ from .._utils.fs import atomic_write_text, describe_os_error
 from ..distributed import env
 from ..distributed.collectives import raise_on_any_rank
 from ._format.file_ranges import file_crc32
+from .directory import has_checksums
 
 __all__ = ["OPT_IN", "MANIFEST", "UnsafeFileError", "refusal", "encode", "decode", "SafeReader", "SafeLoadPlanner"]
 __all__ += ["checksum_files", "write_manifest", "verify", "describe_failure", "find_short_file", "save_group"]
@@ -183,7 +184,8 @@ def write_manifest(directory: str, entries: dict[str, list[int]]) -> None:
 def verify(directory: str, *, full: bool, what: str) -> None:
     """Check ``directory`` against its ``MANIFEST``: sizes, and CRC-32 too when ``full``. Every rank must call it.
 
-    A directory without a manifest (written before checksums existed) passes.
+    A directory without a manifest passes if it was written before checksums existed (its marker does not
+    promise one), or when not ``full``.
 
     Raises:
         ValueError: on every rank, naming the first missing, truncated or corrupt file.
@@ -201,6 +203,11 @@ def verify(directory: str, *, full: bool, what: str) -> None:
                     raise ValueError(f"not a {_MANIFEST_FORMAT} manifest")
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}: unreadable checksum manifest ({exc}); the checkpoint is damaged") from None
+        if full and not os.path.exists(path) and has_checksums(directory):  # deleting it must not turn them off
+            raise ValueError(
+                f"{path}: missing, but this checkpoint was written with one; restore it from a copy, or load with "
+                "verify=False to skip the checks"
+            )
         for name in sorted(files)[env.rank() :: env.world_size()]:
             (size, crc), file = files[name], os.path.join(directory, name)
             if not os.path.isfile(file):

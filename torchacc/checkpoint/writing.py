@@ -75,7 +75,7 @@ def save_dcp(
 ) -> SaveHandle:
     """Write ``state`` as the DCP directory ``final``, atomically. Every rank must call it.
 
-    Rank 0 creates ``.<name>.incomplete`` beside ``final`` (with the marker naming ``tag``), every rank writes its
+    Rank 0 creates ``.<name>.incomplete`` beside ``final`` (with the marker, naming ``tag``), every rank writes its
     shards and checksums them, then rank 0 writes the manifest, renames the directory to ``final`` and runs
     ``on_published``; with ``blocking=False`` in the background ([Note: saves in the background]).
 
@@ -91,8 +91,7 @@ def save_dcp(
         try:
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
-            if tag is not None:
-                directory.write_marker(staging, tag)
+            directory.write_marker(staging, tag)
         except OSError as exc:
             error = describe_os_error(exc, exc.filename or staging)
     raise_on_any_rank(error, what=what)

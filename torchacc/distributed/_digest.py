@@ -128,6 +128,12 @@ def _weights(num_values: int, device: torch.device) -> torch.Tensor:
     return weights[:, :num_values]
 
 
+def release_weights() -> None:
+    """Free the cached weights (up to twice the most values digested at once, on each device): a sync runs once."""
+    _weights.cache_clear()
+    _weights_cache.clear()
+
+
 def _staged_chunks(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """``tensor``'s bytes in row-major order, as contiguous uint8 chunks of ``_CHUNK_BYTES`` (the last shorter)."""
     staging = torch.empty(_CHUNK_BYTES, dtype=torch.uint8, device=tensor.device)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._digest import tensor_digest
+from ._digest import release_weights, tensor_digest
 from .collectives import _active, broadcast_tensors
 
 __all__ = ["sync_tensors"]
@@ -51,6 +51,15 @@ def sync_tensors(
     cut = [*((t, True) for t in tensors), *((t, False) for t in whole)]  # (tensor, cut into chunks)
     if not _active() or not cut:
         return 0
+    try:
+        return _sync(cut, src=src, bucket_bytes=bucket_bytes, shard_of_rank=shard_of_rank)
+    finally:
+        release_weights()  # else they stay on the device for the whole run
+
+
+def _sync(
+    cut: list[tuple[torch.Tensor, bool]], *, src: int, bucket_bytes: int, shard_of_rank: Sequence[int] | None
+) -> int:
     device, world, rank = cut[0][0].device, dist.get_world_size(), dist.get_rank()
     shard_of_rank = list(shard_of_rank) if shard_of_rank is not None else [0] * world
     num_chunks = max(shard_of_rank) + 1

@@ -119,17 +119,22 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(1, limit.bit_length()) if 2**i <= limit]
 
 
+def _inside_node(node: int) -> list[int]:
+    """Group sizes (powers of two) that tile a node: no TP or CP group then spans two nodes."""
+    return [size for size in _powers_of_two(node) if node % size == 0]
+
+
 def parallel_axis(cluster: Cluster) -> list[Choice]:
     """FSDP over all GPUs; HSDP with a shard group of 1, 2, 4 ... nodes; FSDP x TP with TP inside a node."""
     n, node = cluster.num_gpus, cluster.node_size
     flat = {"dist.pp.size": 1, "dist.cp.size": 1}
     choices = [Choice(f"fsdp={n}", {"dist.fsdp.size": n, "dist.dp.size": None, "dist.tp.size": 1, **flat})]
-    shard = node
+    shard = max(node, 2)  # replicas of one GPU each would be plain DDP, which is not a candidate
     while shard < n:
         choices.append(Choice(f"dp={n // shard} x fsdp={shard}" if n % shard == 0 else f"hsdp fsdp={shard}",
                               {"dist.fsdp.size": shard, "dist.dp.size": None, "dist.tp.size": 1, **flat}))  # fmt: skip
         shard *= 2
-    for tp in _powers_of_two(node):
+    for tp in _inside_node(node):
         fsdp = n // tp if n % tp == 0 else max(1, n // tp)
         label = f"fsdp={fsdp} x tp={tp}" if fsdp > 1 else f"tp={tp}"
         choices.append(Choice(label, {"dist.fsdp.size": fsdp, "dist.dp.size": None, "dist.tp.size": tp, **flat}))
@@ -143,7 +148,7 @@ def pipeline_layouts(cluster: Cluster) -> list[Choice]:
     nodes = n // node
     choices = []
     for pp in _powers_of_two(min(cluster.max_pp, nodes if nodes > 1 else n)):
-        if n % pp:
+        if n % pp or (nodes > 1 and nodes % pp):  # over nodes, a stage is whole nodes
             continue
         fsdp = n // pp
         label = f"pp={pp} x fsdp={fsdp}" if fsdp > 1 else f"pp={pp}"
@@ -158,7 +163,7 @@ def context_layouts(cluster: Cluster) -> list[Choice]:
     CP layouts]."""
     n, node = cluster.num_gpus, cluster.node_size
     choices = []
-    for cp in _powers_of_two(node):
+    for cp in _inside_node(node):
         fsdp = n // cp
         label = f"fsdp={fsdp} x cp={cp}" if fsdp > 1 else f"cp={cp}"
         choices.append(Choice(label, {"dist.cp.size": cp, "dist.fsdp.size": fsdp, "dist.dp.size": None,

@@ -21,6 +21,7 @@ from ..config import Config
 from ..distributed.fake import fake_process_group
 from ..parallel.layout import Layout
 from ..parallel.memory_report import format_bytes
+from ..parallel.plan import plan_model
 from .models import ModelSource, build_meta_model
 from .trace import BatchFn, Breakdown, Held, StepTrace, trace_step
 
@@ -130,6 +131,7 @@ def estimate_memory(
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     layout = Layout.from_config(config, world_size=world_size, device_type=device_type)
     meta = build_meta_model(model)
+    plan_model(meta, layout, materialize=False)  # every check of accelerate(): the trace runs without compile
     found = []
     for rank in stage_ranks(layout):  # a pipeline's stages differ: trace each, keep the busiest
         trace = trace_layout(copy.deepcopy(meta), layout, rank=rank, micro_batch_size=micro_batch_size,

@@ -56,18 +56,20 @@ class Plan:
         return next(iter(self.fitting), None)
 
 
-TraceKey = tuple[bool, int, int | None, PipelineSchedule | None, int]
+TraceKey = tuple[bool, int, int | None, PipelineSchedule | None, int, bool | int]
 
 
 def _trace_key(layout: Layout) -> TraceKey:
     """What the traced part depends on: FSDP on, the TP size, the checkpointing interval (None: none), the pipeline
-    (stages, microbatches, schedule), the CP size."""
+    (stages, microbatches, schedule), the CP size, ``reshard_after_forward``."""
     ac = layout.checkpointing
-    return layout.dims.sharded, layout.dims.tp, None if ac is None else ac.interval, layout.pipeline, layout.dims.cp
+    dims = layout.dims
+    interval = None if ac is None else ac.interval
+    return dims.sharded, dims.tp, interval, layout.pipeline, dims.cp, layout.reshard_after_forward
 
 
 def _plain_key(key: TraceKey) -> TraceKey:
-    return key[0], key[1], None, key[3], key[4]
+    return key[0], key[1], None, key[3], key[4], key[5]
 
 
 def _positions(layout: Layout) -> tuple[bool, ...]:
@@ -85,11 +87,16 @@ def _trace_layout(config: Config, layout: Layout) -> Layout:
     """The smallest job of ``layout``'s shape: FSDP over 2 ranks when it runs (times the CP ranks, which shard
     too)."""
     config = copy.deepcopy(config)
-    sharded, tp, _, _, cp = _trace_key(layout)
+    sharded, tp, _, _, cp, raf = _trace_key(layout)
     fsdp = 2 if sharded and (cp == 1 or layout.dims.fsdp > 1) else 1
+    if sharded and not isinstance(raf, bool) and cp == 1:
+        # after forward each unit stays sharded over raf ranks, whatever the FSDP size: trace the smallest job
+        # where raf is a proper divisor of the shards, as FSDP2 requires
+        fsdp = 2 * raf
+    else:
+        raf = raf if sharded and isinstance(raf, bool) else True
     config.dist.fsdp.size, config.dist.dp.size, config.dist.tp.size, config.dist.cp.size = fsdp, 1, tp, cp
-    raf = layout.reshard_after_forward
-    config.dist.fsdp.reshard_after_forward = raf if sharded and isinstance(raf, bool) else True
+    config.dist.fsdp.reshard_after_forward = raf
     world = fsdp * tp * cp * layout.dims.pp
     return Layout.from_config(config, world_size=world, device_type=layout.device_type)
 
@@ -170,6 +177,8 @@ def plan_layouts(
     if axes is None:  # see [Note: which PP and CP layouts]
         candidates = [c for c in candidates if worth_trying(c, seq_len=seq_len)]
     valid, refused = _resolve(meta, base, candidates, cluster.num_gpus)
+    if not valid and len({error for _, error in refused}) == 1:  # the base config itself cannot be
+        raise ValueError(refused[0][1])
     classes = tuple({type(m) for m in meta.modules() if type(m).__name__ in base.dist.fsdp.wrap_layer_cls})
     shape = model_shape(meta, classes)
     if shape.num_blocks < 2:
@@ -206,23 +215,25 @@ def plan_layouts(
 def _resolve(
     meta: nn.Module, base: Config, candidates: list[Candidate], world_size: int
 ) -> tuple[list[tuple[Candidate, Config, Layout]], list[tuple[Candidate, str]]]:
-    """Each candidate's config and layout, or the error ``accelerate()`` would raise for it."""
+    """Each candidate's config and layout, or the error ``accelerate()`` would raise for it; a candidate whose
+    setting ``accelerate()`` ignores (CPU offload without sharding) is the same layout as one without it: dropped."""
     valid, refused, checked = [], [], {}
     for candidate in candidates:
         cfg = candidate.config(base)
         try:
             layout = Layout.from_config(cfg, world_size=world_size, device_type="cuda")
-            key = (layout.dims, layout.checkpointing)
-            if key not in checked:
+            if layout not in checked:  # the whole layout: plan_model reads compile, the TP plan, the schedule...
                 try:
                     plan_model(meta, layout, materialize=False)
-                    checked[key] = None
+                    checked[layout] = None
                 except ValueError as exc:
-                    checked[key] = exc
-            if checked[key] is not None:
-                raise checked[key]
+                    checked[layout] = exc
+            if checked[layout] is not None:
+                raise checked[layout]
         except ValueError as exc:
             refused.append((candidate, " ".join(str(exc).split())))
+            continue
+        if cfg.memory.offload_params and not layout.offload_params:
             continue
         valid.append((candidate, cfg, layout))
     return valid, refused

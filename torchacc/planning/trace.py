@@ -20,13 +20,14 @@ the same state; ``foreach`` adds, during the step, one temporary as large as thi
 three as large as the largest parameter (measured in a real and a fake step alike; tests/unit/test_planning.py).
 """
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
@@ -188,7 +189,7 @@ def trace_step(
         state_keys = live.track(adamw.state)
         param_keys = live.track(list(model.parameters()))
         live.track(list(model.buffers()), batch, stage_step.tensors if stage_step else [])
-        with live:
+        with live, _values_refused(model):
             live.mark("forward")
             if stage_step is not None:
                 stage_step.run(live)
@@ -205,6 +206,19 @@ def trace_step(
     categories = {"parameters": param_keys, "optimizer_state": state_keys, "gradients": grad_keys}
     categories["unsharded"] = unsharded_keys
     return StepTrace(report, _replay(live, categories))
+
+
+@contextlib.contextmanager
+def _values_refused(model: nn.Module) -> Iterator[None]:
+    """A step that reads a tensor's value (``.item()``, a branch on its contents) as the ``ValueError`` it is."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise ValueError(
+            f"{type(model).__name__}'s forward reads tensor values ({exc}), which the estimate cannot follow: its "
+            "step runs on fake tensors, which have no values; make the forward independent of them (no .item(), "
+            "no branch on a tensor's contents), or measure a real step inside torchacc.track_memory()"
+        ) from None
 
 
 def _fake_rank() -> int:
