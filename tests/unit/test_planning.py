@@ -263,6 +263,7 @@ def test_torchacc_plan_on_a_model_directory(tmp_path, capsys):
     [
         (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8; use a multiple of 8"),
         (["--gpu-memory", "eighty"], "--gpu-memory 'eighty' is not a size; write e.g. 80GB or 80GiB"),
+        (["--gpu-memory", "0GB"], "--gpu-memory '0GB' is no memory; write the memory of one GPU, e.g. 80GB"),
         (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
         (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
     ],
@@ -506,3 +507,30 @@ def test_the_sync_leaves_no_digest_weights_behind():
     with fake_process_group(world_size=2, rank=0):
         sync_tensors([torch.ones(70_000), torch.ones(3)], shard_of_rank=[0, 1])
     assert _digest._weights_cache == {} and _digest._weights.cache_info().currsize == 0
+
+
+def test_a_checkpointed_step_is_estimated_like_the_real_one_at_long_sequences():
+    # transformers checks the position ids for packed sequences when there is no KV cache (as under
+    # checkpointing); on fake tensors it could not read them and built a [seq, seq] mask per layer: 2.5x the peak
+    hf, seq = llama_config(2, max_position_embeddings=2048), 2048
+    peaks = {}
+    for checkpointed in (False, True):
+        config = config_of(memory__gc=checkpointed)
+        torch.manual_seed(0)
+        model = torchacc.accelerate(transformers_model(hf), config=config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        ids = torch.randint(0, hf.vocab_size, (1, seq))
+        with torchacc.track_memory() as tracked:
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+        step = {"world_size": 1, "micro_batch_size": 1, "seq_len": seq, "device_type": "cpu"}
+        estimate = torchacc.estimate_memory(hf, config, **step)
+        peaks[checkpointed] = (tracked.peak_bytes, estimate.peak)
+    assert peaks[True][1] == pytest.approx(peaks[True][0], rel=0.1)
+    assert peaks[True][1] < 0.7 * peaks[False][1]
+
+
+def transformers_model(hf_config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hf_config)

@@ -29,12 +29,15 @@ def parse_bytes(text: str) -> int:
     """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30, ``"80"`` -> 80e9 (a bare number is GB).
 
     Raises:
-        ValueError: not a size.
+        ValueError: not a size, or no bytes.
     """
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"--gpu-memory {text!r} is not a size; write e.g. 80GB or 80GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size < 1:
+        raise ValueError(f"--gpu-memory {text!r} is no memory; write the memory of one GPU, e.g. 80GB")
+    return size
 
 
 PLAN_HELP = "the layouts that fit a model on N GPUs, fastest first (runs on one CPU)"

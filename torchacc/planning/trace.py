@@ -21,6 +21,7 @@ three as large as the largest parameter (measured in a real and a fake step alik
 """
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -189,7 +190,7 @@ def trace_step(
         state_keys = live.track(adamw.state)
         param_keys = live.track(list(model.parameters()))
         live.track(list(model.buffers()), batch, stage_step.tensors if stage_step else [])
-        with live, _values_refused(model):
+        with live, _values_refused(model), _unpacked(batch_fn is None):
             live.mark("forward")
             if stage_step is not None:
                 stage_step.run(live)
@@ -219,6 +220,27 @@ def _values_refused(model: nn.Module) -> Iterator[None]:
             "step runs on fake tensors, which have no values; make the forward independent of them (no .item(), "
             "no branch on a tensor's contents), or measure a real step inside torchacc.track_memory()"
         ) from None
+
+
+@contextlib.contextmanager
+def _unpacked(default_batch: bool) -> Iterator[None]:
+    """Under the default batch, transformers' packed-sequence check answers as in the real step: not packed.
+
+    Without a KV cache (activation checkpointing turns it off) transformers looks for packed sequences in the
+    position ids; reading their values is what it cannot do on a fake tensor, so it keeps a packed-sequence mask
+    and materializes a [seq, seq] attention mask per layer that the real step never builds (SDPA runs with
+    ``is_causal``): the estimate of a checkpointed step then grew with the square of the sequence length.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    if not default_batch or masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    real = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None  # the default batch's are 0..seq-1
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = real
 
 
 def _fake_rank() -> int:
