@@ -118,6 +118,8 @@ def test_checkpoint_without_manifest_still_names_a_truncated_file(dcp_checkpoint
     """A checkpoint written before checksums existed: the DCP metadata's offsets still name the short file."""
     path, data, _ = dcp_checkpoint
     os.remove(path / "checksums.json")
+    marker = path / "torchacc-checkpoint.json"  # as written then: no promise of a manifest
+    marker.write_text(json.dumps({"format": "torchacc-checkpoint/1", "tag": path.name}))
     truncate(data, keep=100)
     with pytest.raises(ValueError, match=rf"{re.escape(str(data))}: \d+ bytes, but the checkpoint's .metadata needs"):
         load_into_fresh(path)

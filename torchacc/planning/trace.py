@@ -20,15 +20,13 @@ the same state; ``foreach`` adds, during the step, one temporary as large as thi
 three as large as the largest parameter (measured in a real and a fake step alike; tests/unit/test_planning.py).
 """
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
@@ -40,6 +38,7 @@ from ..parallel.layout import Layout
 from ..parallel.memory_report import MemoryReport, memory_report
 from ..parallel.memory_tracking import LiveBytes
 from ..parallel.plan import plan_model
+from .real_paths import unpacked_batches, values_refused
 from .stage_step import StageStep
 
 __all__ = ["Breakdown", "Held", "StepTrace", "trace_step", "causal_lm_batch", "PHASES"]
@@ -190,7 +189,7 @@ def trace_step(
         state_keys = live.track(adamw.state)
         param_keys = live.track(list(model.parameters()))
         live.track(list(model.buffers()), batch, stage_step.tensors if stage_step else [])
-        with live, _values_refused(model), _unpacked(batch_fn is None):
+        with live, values_refused(model), unpacked_batches(batch_fn is None):
             live.mark("forward")
             if stage_step is not None:
                 stage_step.run(live)
@@ -207,40 +206,6 @@ def trace_step(
     categories = {"parameters": param_keys, "optimizer_state": state_keys, "gradients": grad_keys}
     categories["unsharded"] = unsharded_keys
     return StepTrace(report, _replay(live, categories))
-
-
-@contextlib.contextmanager
-def _values_refused(model: nn.Module) -> Iterator[None]:
-    """A step that reads a tensor's value (``.item()``, a branch on its contents) as the ``ValueError`` it is."""
-    try:
-        yield
-    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        raise ValueError(
-            f"{type(model).__name__}'s forward reads tensor values ({exc}), which the estimate cannot follow: its "
-            "step runs on fake tensors, which have no values; make the forward independent of them (no .item(), "
-            "no branch on a tensor's contents), or measure a real step inside torchacc.track_memory()"
-        ) from None
-
-
-@contextlib.contextmanager
-def _unpacked(default_batch: bool) -> Iterator[None]:
-    """Under the default batch, transformers' packed-sequence check answers as in the real step: not packed.
-
-    Without a KV cache (activation checkpointing turns it off) transformers looks for packed sequences in the
-    position ids; reading their values is what it cannot do on a fake tensor, so it keeps a packed-sequence mask
-    and materializes a [seq, seq] attention mask per layer that the real step never builds (SDPA runs with
-    ``is_causal``): the estimate of a checkpointed step then grew with the square of the sequence length.
-    """
-    masking = sys.modules.get("transformers.masking_utils")
-    if not default_batch or masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        yield
-        return
-    real = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None  # the default batch's are 0..seq-1
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = real
 
 
 def _fake_rank() -> int:
