@@ -254,7 +254,7 @@ def test_torchacc_plan_on_a_model_directory(tmp_path, capsys):
             "--micro-batch", "2", "--bf16"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{tmp_path}: 0.00B parameters, 3 blocks; 1 GPUs (1 node of 1)")
+    assert out.startswith(f"{tmp_path}: 127.42K parameters, 3 blocks; 1 GPU (1 node of 1)")
     assert yaml.safe_load(out.split("for Config.from_yaml:\n\n")[1])["compute"]["bf16"] is True
 
 

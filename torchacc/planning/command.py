@@ -110,12 +110,21 @@ def _is_factory(text: str) -> bool:
     return ":" in text and not text.endswith(".json") and "/" not in text.split(":")[0]
 
 
+def _count(num: int) -> str:
+    """``70.55B``, ``124.44M``, ``8.40K``: the largest unit that leaves a whole number in front."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if num >= size:
+            return f"{num / size:.2f}{unit}"
+    return str(num)
+
+
 def format_plan(plan: Plan, *, model_name: str = "the model") -> str:
     """The plan as text: the fitting layouts (a markdown table), the others, the refused, the best config."""
     shape, cluster, hw = plan.shape, plan.cluster, plan.hardware
     nodes = max(1, cluster.num_gpus // cluster.gpus_per_node)
     lines = [
-        f"{model_name}: {shape.num_params / 1e9:.2f}B parameters, {shape.num_blocks} blocks; {cluster.num_gpus} GPUs "
+        f"{model_name}: {_count(shape.num_params)} parameters, {shape.num_blocks} blocks; {cluster.num_gpus} "
+        f"GPU{'s' if cluster.num_gpus > 1 else ''} "
         f"({nodes} node{'s' if nodes > 1 else ''} of {cluster.node_size}), {format_bytes(hw.memory_bytes)} each "
         f"({format_bytes(hw.usable_bytes)} usable)",
         "",
