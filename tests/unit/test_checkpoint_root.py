@@ -105,11 +105,11 @@ def test_torchrun_without_a_run_id_does_not_make_two_jobs_one(tmp_path, monkeypa
 
 def test_a_writer_that_claims_between_read_and_write_wins(tmp_path, monkeypatch):
     # two jobs saving at the same moment both read "no writer": only one may then claim the root
-    from torchacc.checkpoint import directory
+    from torchacc.checkpoint import one_writer
 
     root, model = tmp_path / "ckpt", TinyNet()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    real_read = directory._read_writer
+    real_read = one_writer._read_writer
     reads = []
 
     def read_before_the_other_claims(path):
@@ -121,7 +121,7 @@ def test_a_writer_that_claims_between_read_and_write_wins(tmp_path, monkeypatch)
 
     try:
         root.mkdir()
-        monkeypatch.setattr(directory, "_read_writer", read_before_the_other_claims)
+        monkeypatch.setattr(one_writer, "_read_writer", read_before_the_other_claims)
         with pytest.raises(RuntimeError, match=rf"another live job \(host {fs._HOST}, pid {sleeper.pid}"):
             torchacc.save_checkpoint(root, model=model)
         assert json.loads((root / WRITER).read_text())["pid"] == sleeper.pid, "the first claim stands"
@@ -164,3 +164,55 @@ def test_state_that_would_not_load_back_is_refused_at_save(tmp_path):
     with pytest.raises(ValueError, match=r"optimizer state \(param_groups\) holds values .*numpy.*float\(value\)"):
         torchacc.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer)
     assert torchacc.latest_checkpoint(tmp_path / "ckpt") is None
+
+
+def test_taking_over_a_dead_writer_leaves_one_writer_when_two_jobs_do_it(tmp_path, monkeypatch):
+    # both jobs judge the dead claim dead; the other job moves it away and claims first: this job must not move
+    # the other's live claim away in turn
+    from torchacc.checkpoint import one_writer
+
+    root, model = tmp_path / "ckpt", TinyNet()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    real_rename = os.rename
+
+    def the_other_job_claims_first(src, dst):
+        if str(src).endswith(WRITER) and json.loads(Path(src).read_text())["pid"] == dead.pid:
+            claim(root, pid=sleeper.pid)  # the other job replaced the dead claim with its own, live one
+        return real_rename(src, dst)
+
+    try:
+        claim(root, pid=dead.pid)  # this host, process gone: dead
+        monkeypatch.setattr(one_writer.os, "rename", the_other_job_claims_first)
+        with pytest.raises(RuntimeError, match=rf"another live job \(host {fs._HOST}, pid {sleeper.pid}"):
+            torchacc.save_checkpoint(root, model=model)
+        assert json.loads((root / WRITER).read_text())["pid"] == sleeper.pid, "the live claim stands"
+        assert [n for n in os.listdir(root) if ".tmp-" in n] == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_root_on_a_file_system_without_hard_links_is_claimed(tmp_path, monkeypatch):
+    import errno
+
+    from torchacc.checkpoint import one_writer
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(one_writer.os, "link", no_links)
+    root = tmp_path / "ckpt"
+    assert torchacc.save_checkpoint(root, model=TinyNet()) == str(root / "checkpoint-1")
+    assert json.loads((root / WRITER).read_text())["pid"] == os.getpid()
+    assert [n for n in os.listdir(root) if ".tmp-" in n] == []
+
+
+def test_a_users_folder_under_the_staging_name_of_the_saved_tag_is_kept(tmp_path):
+    root, model = tmp_path / "ckpt", TinyNet()
+    (root / ".checkpoint-1.incomplete").mkdir(parents=True)
+    (root / ".checkpoint-1.incomplete" / "mine.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match=r"\.checkpoint-1\.incomplete.*not written by torchacc"):
+        torchacc.save_checkpoint(root, model=model, tag="checkpoint-1")
+    assert (root / ".checkpoint-1.incomplete" / "mine.txt").read_text() == "mine"

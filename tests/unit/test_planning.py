@@ -534,3 +534,38 @@ def transformers_model(hf_config):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(hf_config)
+
+
+def test_a_base_config_with_a_tp_plan_of_its_own_is_planned():
+    from torchacc.planning.candidates import Choice
+
+    mlp = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    base = config_of(dist__tp__plan={f"model.layers.*.mlp.{name}": style for name, style in mlp.items()})
+    tp2 = [Choice("tp=2", {"dist.fsdp.size": 1, "dist.dp.size": None, "dist.tp.size": 2})]
+    plan = plan_layouts(llama_config(2), cluster=Cluster(num_gpus=2, gpus_per_node=2), micro_batch_size=1, seq_len=8,
+                        config=base, axes=[lambda c: tp2])  # fmt: skip
+    assert [row.candidate.label for row in plan.layouts] == ["tp=2"]
+
+
+def test_an_offload_the_layout_ignores_is_dropped_only_beside_the_same_layout_without_it():
+    from torchacc.planning.candidates import Choice
+
+    base = config_of(memory__offload_params=True)  # custom axes without the offload axis
+    tp2 = [Choice("tp=2", {"dist.fsdp.size": 1, "dist.dp.size": None, "dist.tp.size": 2})]
+    plan = plan_layouts(llama_config(2), cluster=Cluster(num_gpus=2, gpus_per_node=2), micro_batch_size=1, seq_len=8,
+                        config=base, axes=[lambda c: tp2])  # fmt: skip
+    assert [row.candidate.label for row in plan.layouts] == ["tp=2"]
+
+
+def test_the_packed_sequence_guard_nests_and_leaves_real_tensors_alone():
+    from transformers import masking_utils
+
+    from torchacc.planning.real_paths import unpacked_batches
+
+    real = masking_utils.find_packed_sequence_indices
+    packed = torch.tensor([[0, 1, 2, 0, 1]])  # two sequences packed in one row
+    with unpacked_batches(True):
+        with unpacked_batches(True):
+            pass
+        assert masking_utils.find_packed_sequence_indices(packed) is not None, "a real tensor is read as before"
+    assert masking_utils.find_packed_sequence_indices is real

@@ -111,12 +111,7 @@ def save_state(
             directory.claim_writer(root)
             directory.clean_leftovers(root)
             tag = tag or directory.next_tag(root)
-            final = os.path.join(root, tag)
-            if os.path.exists(final) and not directory.is_marked(final):  # re-saving replaces only our own
-                raise RuntimeError(
-                    f"tag={tag!r} names {final!r}, a folder not written by torchacc (no {directory.MARKER} naming "
-                    "it), which the save would replace; use another tag"
-                )
+            directory.check_own(root, tag)  # re-saving a tag replaces only what torchacc wrote
         except OSError as exc:
             error = describe_os_error(exc, exc.filename or root)
         except RuntimeError as exc:

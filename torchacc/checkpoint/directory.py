@@ -1,42 +1,28 @@
-"""The checkpoint root: tags, publication, the ``latest`` pointer, rotation and the one writer. Rank 0 does it all.
+"""The checkpoint root: tags, publication, the ``latest`` pointer, rotation (and, from ``one_writer.py``, the one
+writer). Rank 0 does it all.
 
 [Note: checkpoint atomicity] A checkpoint is written under ``.<tag>.incomplete``; once every rank has finished
 and its checksums are recorded, rank 0 renames it to ``<tag>``, and only then moves ``latest`` to it. A crash,
 even SIGKILL, at any point leaves ``latest`` naming a complete checkpoint. Re-saving an existing tag first
 moves the old one to ``.<tag>.replaced``, which ``latest_checkpoint`` falls back to until the new one is in
 place. Leftovers of a killed save are removed (or a ``.replaced`` one restored) by the next save.
-
-[Note: one writer] Two live jobs writing one root would bury each other's checkpoints (a ``kill -9`` of
-torchrun leaves its workers running). The first save of a job claims the root in ``WRITER`` (host, pid, the
-torchrun run id, a token of this process) and refreshes it every ``HEARTBEAT`` seconds; a later job is refused
-while that writer lives. A writer is dead when its process is gone (same host), when its file has not been
-refreshed for ``STALE`` seconds, or when it is an earlier attempt of the same torchrun job (a restart; torchrun's
-run id "none", which every job launched without ``--standalone`` or ``--rdzv-id`` has, names no job). A claim is
-created whole and only if there is none (``os.link``), and a dead writer's file is moved away by one claimant only
-(``os.rename``), so two jobs saving at the same moment cannot both take the root.
 """
 
-import atexit
-import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
-import threading
-import time
 from typing import Any
 
 from .._utils import fs
 from .._utils.fs import atomic_write_text, remove_stale_temps
+from .one_writer import WRITER, claim_writer
 
 __all__ = ["LATEST", "MARKER", "WRITER", "check_tag", "next_tag", "clean_leftovers", "publish", "point_latest"]
-__all__ += ["latest_checkpoint", "require_latest", "rotate", "is_marked", "claim_writer"]
+__all__ += ["latest_checkpoint", "require_latest", "rotate", "is_marked", "claim_writer", "check_own"]
 
 LATEST = "latest"
 MARKER = "torchacc-checkpoint.json"  # in every save_checkpoint directory: what rotation may delete
-WRITER = ".torchacc-writer.json"
-HEARTBEAT, STALE = 10.0, 60.0
 _TAG = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(.+)\.(incomplete|replaced)$")
 
@@ -76,6 +62,19 @@ def clean_leftovers(directory: str) -> None:
                 os.replace(path, target)
             else:
                 shutil.rmtree(path)
+
+
+def check_own(directory: str, tag: str) -> None:
+    """Raise RuntimeError when saving ``tag`` would replace a folder torchacc did not write: ``<tag>`` itself, or a
+    non-empty ``.<tag>.incomplete`` / ``.<tag>.replaced`` without the marker of ``tag``."""
+    for name in (tag, f".{tag}.incomplete", f".{tag}.replaced"):
+        path = os.path.join(directory, name)
+        foreign = _marker(path).get("tag") != tag and os.path.exists(path)
+        if foreign and (name == tag or not os.path.isdir(path) or os.listdir(path)):
+            raise RuntimeError(
+                f"tag={tag!r}: {path!r} is a folder not written by torchacc (no {MARKER} naming {tag!r}), which "
+                "the save would replace; use another tag, or move the folder away"
+            )
 
 
 def write_marker(staging: str, tag: str | None) -> None:
@@ -184,100 +183,3 @@ def rotate(directory: str, *, keep: int, newest: str, max_bytes: float = float("
 
 def _mtime(path: str) -> float:
     return os.path.getmtime(os.path.join(path, MARKER))
-
-
-_token = secrets.token_hex(8)
-_claimed: set[str] = set()
-
-
-def _read_writer(path: str) -> dict[str, Any] | None:
-    """The claim in ``path`` with its age, None when there is none; an unreadable one (claims are created whole)
-    is no live writer's."""
-    try:
-        with open(path) as f:
-            found = json.load(f)
-        age = time.time() - os.path.getmtime(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        found, age = None, float("inf")
-    return {**found, "age": age} if isinstance(found, dict) else {"age": float("inf")}
-
-
-def claim_writer(directory: str) -> None:
-    """Make this job the one writer of ``directory`` ([Note: one writer]), on rank 0, at every save.
-
-    Raises:
-        RuntimeError: another live job writes there; the message names its host and process.
-    """
-    path = os.path.join(directory, WRITER)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    run_id = "" if run_id == "none" else run_id  # torchrun's id of a job launched without one
-    for _ in range(10):  # each pass either claims, refuses, or saw another claimant move first
-        other = _read_writer(path)
-        if other is not None and other.get("token") == _token:
-            break
-        if other is not None:
-            same_job = bool(run_id) and other.get("run_id") == run_id
-            gone = other.get("host") == fs._HOST and not fs._alive(int(other.get("pid", 0)))
-            if not (same_job or gone or other["age"] > STALE):
-                raise RuntimeError(
-                    f"{directory!r} is the checkpoint root of another live job (host {other.get('host')}, pid "
-                    f"{other.get('pid')}, alive {other['age']:.0f} s ago), and two writers would bury each other's "
-                    f"checkpoints; stop that job first (its workers too, see docs/launching.md, 'Stopping a job'), "
-                    f"or save into another directory. A writer that died is ignored after {STALE:.0f} s"
-                )
-            if not _take_away(path):
-                continue
-        if _create_claim(path, {"host": fs._HOST, "pid": os.getpid(), "run_id": run_id, "token": _token}):
-            break
-    else:
-        raise RuntimeError(f"could not claim {directory!r} as its one checkpoint writer: other jobs keep claiming it")
-    if directory not in _claimed:
-        _claimed.add(directory)
-        threading.Thread(target=_heartbeat, args=(path,), name="torchacc-writer", daemon=True).start()
-        atexit.register(_release, path)
-
-
-def _take_away(path: str) -> bool:
-    """Move a dead writer's claim out of the way; False when another claimant moved it first."""
-    aside = fs.temp_path(path)
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    os.remove(aside)
-    return True
-
-
-def _create_claim(path: str, me: dict[str, Any]) -> bool:
-    """Create the claim whole, unless one exists (a hard link fails on an existing name); False if one does."""
-    staged = fs.temp_path(path)
-    fs.atomic_write_text(staged, json.dumps(me))
-    try:
-        os.link(staged, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.remove(staged)
-    return True
-
-
-def _heartbeat(path: str) -> None:
-    while not _stop.wait(HEARTBEAT):
-        if (_read_writer(path) or {}).get("token") != _token:
-            return
-        try:
-            os.utime(path)
-        except OSError:
-            return
-
-
-def _release(path: str) -> None:
-    _stop.set()
-    if (_read_writer(path) or {}).get("token") == _token:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-_stop = threading.Event()

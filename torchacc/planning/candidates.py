@@ -135,7 +135,7 @@ def parallel_axis(cluster: Cluster) -> list[Choice]:
                               {"dist.fsdp.size": shard, "dist.dp.size": None, "dist.tp.size": 1, **flat}))  # fmt: skip
         shard *= 2
     for tp in _inside_node(node):
-        fsdp = n // tp if n % tp == 0 else max(1, n // tp)
+        fsdp = n // tp  # tp divides the node, and the node the GPUs
         label = f"fsdp={fsdp} x tp={tp}" if fsdp > 1 else f"tp={tp}"
         choices.append(Choice(label, {"dist.fsdp.size": fsdp, "dist.dp.size": None, "dist.tp.size": tp, **flat}))
     return choices

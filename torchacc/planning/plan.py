@@ -217,24 +217,28 @@ def _resolve(
 ) -> tuple[list[tuple[Candidate, Config, Layout]], list[tuple[Candidate, str]]]:
     """Each candidate's config and layout, or the error ``accelerate()`` would raise for it; a candidate whose
     setting ``accelerate()`` ignores (CPU offload without sharding) is the same layout as one without it: dropped."""
-    valid, refused, checked = [], [], {}
+    valid, refused, checked, seen = [], [], {}, set()
     for candidate in candidates:
         cfg = candidate.config(base)
         try:
             layout = Layout.from_config(cfg, world_size=world_size, device_type="cuda")
-            if layout not in checked:  # the whole layout: plan_model reads compile, the TP plan, the schedule...
+            # the whole layout (plan_model reads compile, the TP plan, the schedule...); its repr: a dict TP plan
+            # is a mapping proxy, which does not hash
+            key = repr(dataclasses.replace(layout, ignored=()))
+            if key not in checked:
                 try:
                     plan_model(meta, layout, materialize=False)
-                    checked[layout] = None
+                    checked[key] = None
                 except ValueError as exc:
-                    checked[layout] = exc
-            if checked[layout] is not None:
-                raise checked[layout]
+                    checked[key] = exc
+            if checked[key] is not None:
+                raise checked[key]
         except ValueError as exc:
             refused.append((candidate, " ".join(str(exc).split())))
             continue
-        if cfg.memory.offload_params and not layout.offload_params:
+        if cfg.memory.offload_params and not layout.offload_params and key in seen:
             continue
+        seen.add(key)
         valid.append((candidate, cfg, layout))
     return valid, refused
 

@@ -7,10 +7,12 @@ step does not take (``unpacked_batches`` answers the one such check the default 
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch.nn as nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
 __all__ = ["unpacked_batches", "values_refused"]
 
@@ -28,6 +30,10 @@ def values_refused(model: nn.Module) -> Iterator[None]:
         ) from None
 
 
+_patch_lock = threading.Lock()
+_patch: dict[str, Any] = {"depth": 0, "real": None}  # nested or concurrent fake steps share one patch
+
+
 @contextlib.contextmanager
 def unpacked_batches(default_batch: bool) -> Iterator[None]:
     """Under the default batch, transformers' packed-sequence check answers as in the real step: not packed.
@@ -35,15 +41,22 @@ def unpacked_batches(default_batch: bool) -> Iterator[None]:
     Without a KV cache (activation checkpointing turns it off) transformers looks for packed sequences in the
     position ids; reading their values is what it cannot do on a fake tensor, so it keeps a packed-sequence mask
     and materializes a [seq, seq] attention mask per layer that the real step never builds (SDPA runs with
-    ``is_causal``): the estimate of a checkpointed step then grew with the square of the sequence length.
+    ``is_causal``): the estimate of a checkpointed step then grew with the square of the sequence length. Real
+    position ids are still read.
     """
     masking = sys.modules.get("transformers.masking_utils")
     if not default_batch or masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return
-    real = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None  # the default batch's are 0..seq-1
+    with _patch_lock:
+        if _patch["depth"] == 0:
+            real = _patch["real"] = masking.find_packed_sequence_indices
+            masking.find_packed_sequence_indices = lambda ids: None if isinstance(ids, FakeTensor) else real(ids)
+        _patch["depth"] += 1
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = real
+        with _patch_lock:
+            _patch["depth"] -= 1
+            if _patch["depth"] == 0:
+                masking.find_packed_sequence_indices = _patch["real"]
