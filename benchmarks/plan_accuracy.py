@@ -14,7 +14,7 @@ The claims:
    one AdamW step creates the optimizer state, the next runs inside ``torchacc.track_memory()``, and rank 0 (the
    busiest) reports ``memory_report(model, optimizer)``. ``estimate_memory(..., device_type="cpu")`` runs the
    same config and model in this process (fake process group, meta model, one fake step).
-2. The planner's per-block scaling (2- and 3-block fake steps at 2 shards, the state at the real size: see
+2. The planner's per-block scaling (3- and 4-block fake steps at 2 shards, the state at the real size: see
    [Note: per-block scaling] in torchacc/planning/scaling.py) agrees with a full fake step of the whole model at
    the real size, for a CUDA plan (``device_type="cuda"``: 512-byte blocks, foreach AdamW).
 3. ``--scale``: ``torchacc plan`` for a Llama-3-70B shape on 512 GPUs at seq 8192 finishes in under 2 minutes, and
@@ -135,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def planner_peak(kind: str, world: int, settings: dict, shape: dict) -> Any:
-    """The planner's estimate for exactly this layout: one candidate, scaled from 2- and 3-block fake steps."""
+    """The planner's estimate for exactly this layout: one candidate, scaled from 3- and 4-block fake steps."""
     from torchacc.planning.candidates import Choice, Cluster
     from torchacc.planning.plan import plan_layouts
 

@@ -3,7 +3,7 @@ the engine of ``torchacc plan``).
 
 Everything here runs in one process on the CPU, under a fake process group, on models that hold no weights. The
 modules, in the order a plan uses them: models (the model on the meta device), trace (one fake step), estimate
-(``estimate_memory``), candidates (the layouts tried), scaling (from 2- and 3-block fake steps to the full depth),
+(``estimate_memory``), candidates (the layouts tried), scaling (from 3- and 4-block fake steps to the full depth),
 costs (the step time), plan (``plan_layouts``), command (``torchacc plan``).
 """
 

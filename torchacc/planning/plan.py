@@ -21,7 +21,7 @@ from .candidates import AXES, Candidate, Choice, Cluster, enumerate_candidates, 
 from .costs import Hardware, ModelShape, StepCost, step_cost
 from .estimate import MemoryEstimate, estimate_from_peaks
 from .models import ModelSource, build_meta_model, find_blocks
-from .scaling import CP_FIRST_DEPTH, FIRST_DEPTH, depths_for, held_state, scale, stage_blocks, trace_groups, traced_held
+from .scaling import depths_for, held_state, scale, stage_blocks, trace_groups, traced_held
 
 __all__ = ["Plan", "PlannedLayout", "plan_layouts"]
 
@@ -184,7 +184,7 @@ def plan_layouts(
     if shape.num_blocks < 2:
         raise ValueError(
             f"{type(meta).__name__} has {shape.num_blocks} block(s) of dist.fsdp.wrap_layer_cls "
-            f"{sorted(base.dist.fsdp.wrap_layer_cls)} in a module list; the planner scales 1- and 2-block fake "
+            f"{sorted(base.dist.fsdp.wrap_layer_cls)} in a module list; the planner scales fake steps of a few blocks "
             "steps to the depth: set wrap_layer_cls (in the base config) to the class of the repeated blocks"
         )
     step = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "optimizer": optimizer}
@@ -270,8 +270,7 @@ def _traces(meta: nn.Module, valid: list, classes: tuple, step: dict, num_blocks
         jobs = []
         for key, last in group:
             layout = dataclasses.replace(wanted[(key, last)], compile=False, offload_params=False)
-            first = CP_FIRST_DEPTH if key[4] > 1 else FIRST_DEPTH
-            depths = depths_for(stage_blocks(layout, num_blocks)[last], key[2] or 1, first_depth=first)
+            depths = depths_for(stage_blocks(layout, num_blocks)[last], key[2] or 1)
             jobs.append((layout, depths, key[2] is None or key[3] is not None, rank))
         groups.append(jobs)
     results = trace_groups(meta, groups, classes, num_workers=num_workers, block_bytes=block, **step)

@@ -1,12 +1,12 @@
-"""From a 1- and a 2-block model to the whole depth: how the planner estimates 70B layouts in seconds.
+"""From a 3- and a 4-block model to the whole depth: how the planner estimates 70B layouts in seconds.
 
 [Note: per-block scaling] A fake step of a 70B model takes minutes, so the planner never runs one. Per rank, a
 transformer's memory is a sum over its blocks plus the rest (embeddings, head, loss): the sharded state of a block
 does not depend on the other blocks, nor do the activations it saves, and the transients of the step (one unit
 gathered, one block recomputed, the optimizer's temporaries) are those of one block. So each phase's peak (and
-its make-up) is affine in the number of blocks ``L``: ``b(L) = b(1) + (L - 1) * (b(2) - b(1))``, read from fake
-steps of the model cut to 1 and 2 blocks (``with_num_blocks``). Two more facts keep the number of fake steps
-small:
+its make-up) is affine in the number of blocks ``L`` from a few blocks on: ``b(L) = b(3) + (L - 3) * (b(4) - b(3))``,
+read from fake steps of the model cut to 3 and 4 blocks (``with_num_blocks``; see ``FIRST_DEPTH``). Two more facts
+keep the number of fake steps small:
 
 * The sharded state is exact arithmetic and is computed apart, at the job's real size: the engine lays the 1-
   and 2-block models out on a fake group of all the GPUs (``fully_shard`` and ``parallelize_module`` on meta
@@ -16,7 +16,7 @@ small:
   whether FSDP runs at all, not on how many ranks shard or replicate: it is traced once per (FSDP on, TP size,
   checkpointing) on the smallest job of that shape (2 shards), and the traced state is replaced by the real.
 
-A pipeline is traced per stage (its first and last, at 2 and 3 blocks per stage: ``stage_blocks``,
+A pipeline is traced per stage (its first and last, at 3 and 4 blocks per stage: ``stage_blocks``,
 ``cut_blocks``), and carried to the stage's real number of blocks the same way.
 
 Checkpointing 1 block in k is not traced: its per-block increments are those of the checkpointed and plain
@@ -42,7 +42,6 @@ from .models import find_blocks, with_num_blocks
 from .trace import Breakdown, Held, StepTrace, trace_step
 
 __all__ = [
-    "CP_FIRST_DEPTH",
     "HeldLine",
     "Job",
     "cut_blocks",
@@ -56,10 +55,11 @@ __all__ = [
     "with_state",
 ]
 
-FIRST_DEPTH = 2
-CP_FIRST_DEPTH = 3
-"""Context parallelism's backward peak grows from 2 to 3 blocks by more than a block (measured on the width-64
-test model; why is not identified), then by a block each: its traces start at 3 blocks."""
+FIRST_DEPTH = 3
+"""The traces start at 3 blocks: at 2 the first block of the backward is also the one after the last, and the peak
+can be a moment of another kind at 2 blocks than at 3 (CPU offload with every block checkpointed: the difference
+carried to 8 blocks gave negative activations and +33 %); context parallelism's backward peak also grows from 2 to
+3 blocks by more than a block. From 3 blocks on each block adds the same."""
 
 
 def depths_for(num_blocks: int, interval: int = 1, *, first_depth: int = FIRST_DEPTH) -> tuple[int, ...]:
