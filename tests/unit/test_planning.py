@@ -585,16 +585,9 @@ def test_offload_with_every_block_checkpointed_scales_from_peaks_of_one_kind():
     axes = [lambda c: [Choice("fsdp=2", {"dist.fsdp.size": 2, "dist.tp.size": 1})],
             lambda c: [Choice("AC every block", {"memory.gc": True, "memory.gc_interval": 1})],
             lambda c: [Choice("CPU offload", {"memory.offload_params": True})]]  # fmt: skip
-    hf = llama_config(
-        8,
-        hidden_size=120,
-        intermediate_size=250,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        vocab_size=1001,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    odd = {"hidden_size": 120, "intermediate_size": 250, "num_attention_heads": 6, "num_key_value_heads": 3,
+           "vocab_size": 1001, "max_position_embeddings": 64, "tie_word_embeddings": True}  # fmt: skip
+    hf = llama_config(8, **odd)
     plan = plan_layouts(hf, cluster=Cluster(num_gpus=2), micro_batch_size=2, seq_len=64, bf16=True, axes=axes)
     (row,) = plan.layouts
     full = torchacc.estimate_memory(hf, row.config, world_size=2, micro_batch_size=2, seq_len=64)
