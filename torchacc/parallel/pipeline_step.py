@@ -282,5 +282,6 @@ def train_step(model: nn.Module, batch: Any, *, scale: float = 1.0) -> torch.Ten
             f"torchacc.train_step: the output of {type(model).__name__} has no .loss; pass labels in the batch, or "
             "compute the loss yourself and call loss.backward()"
         )
+    del output  # its logits (batch x seq x vocab), the step's largest tensor, are not needed by the backward
     (loss * scale if scale != 1.0 else loss).backward()
     return loss.detach().float()
