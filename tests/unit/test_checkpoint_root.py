@@ -216,3 +216,14 @@ def test_a_users_folder_under_the_staging_name_of_the_saved_tag_is_kept(tmp_path
     with pytest.raises(RuntimeError, match=r"\.checkpoint-1\.incomplete.*not written by torchacc"):
         torchacc.save_checkpoint(root, model=model, tag="checkpoint-1")
     assert (root / ".checkpoint-1.incomplete" / "mine.txt").read_text() == "mine"
+
+
+def test_a_damaged_claim_blocks_until_stale_and_then_gives_way(tmp_path):
+    root, model = tmp_path / "ckpt", TinyNet()
+    root.mkdir()
+    (root / WRITER).write_text('{"host": "' + fs._HOST + '", "pid": "not a number"}')  # no crash on any rank
+    with pytest.raises(RuntimeError, match=r"another live job \(host .*, pid not a number"):
+        torchacc.save_checkpoint(root, model=model)
+    old = time.time() - 3600
+    os.utime(root / WRITER, (old, old))
+    assert torchacc.save_checkpoint(root, model=model) == str(root / "checkpoint-1")

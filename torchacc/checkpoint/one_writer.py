@@ -70,7 +70,8 @@ def claim_writer(directory: str) -> None:
             break
         if other is not None:
             same_job = bool(run_id) and other.get("run_id") == run_id
-            gone = other.get("host") == fs._HOST and not fs._alive(int(other.get("pid", 0)))
+            pid = other.get("pid")
+            gone = other.get("host") == fs._HOST and isinstance(pid, int) and not fs._alive(pid)
             if not (same_job or gone or other["age"] > STALE):
                 raise RuntimeError(
                     f"{directory!r} is the checkpoint root of another live job (host {other.get('host')}, pid "
