@@ -570,11 +570,13 @@ def test_the_packed_sequence_guard_nests_and_leaves_real_tensors_alone():
 
     real = masking_utils.find_packed_sequence_indices
     packed = torch.tensor([[0, 1, 2, 0, 1]])  # two sequences packed in one row
-    with unpacked_batches(True):
-        with unpacked_batches(True):
-            pass
-        assert masking_utils.find_packed_sequence_indices(packed) is not None, "a real tensor is read as before"
-    assert masking_utils.find_packed_sequence_indices is real
+    first, second = unpacked_batches(True), unpacked_batches(True)
+    first.__enter__()
+    second.__enter__()  # two fake steps that overlap (threads), leaving in the order they came
+    first.__exit__(None, None, None)
+    assert masking_utils.find_packed_sequence_indices(packed) is not None, "a real tensor is read as before"
+    second.__exit__(None, None, None)
+    assert masking_utils.find_packed_sequence_indices is real, "restored once the last one leaves"
 
 
 def test_offload_with_every_block_checkpointed_scales_from_peaks_of_one_kind():

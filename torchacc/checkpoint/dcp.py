@@ -128,8 +128,8 @@ def save_state(
         if obj is not None:
             state[key] = storage.encode(obj.state_dict())
     # what is not a tensor must load back with weights_only=True, or a resume would fail at every restart
-    problem = next(filter(None, (_unloadable(state[k], what) for k, what in _DECODED.items() if k in state)), None)
-    raise_on_any_rank(problem, what=f"save_checkpoint({root!r})", error_type=ValueError)
+    problem = next(filter(None, (_unloadable(state[k], name) for k, name in _DECODED.items() if k in state)), None)
+    raise_on_any_rank(problem, what=what, error_type=ValueError)
     state[f"extra/rank-{env.rank()}"] = storage.encode(dict(extra or {}))
     state[f"rng/rank-{env.rank()}"] = storage.encode(get_rng_state())
     state["torchacc"] = storage.encode({"world_size": env.world_size(), "format": FORMAT, "layout": layout_of(model)})

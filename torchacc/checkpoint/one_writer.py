@@ -84,7 +84,10 @@ def claim_writer(directory: str) -> None:
         if _create_claim(path, {"host": fs._HOST, "pid": os.getpid(), "run_id": run_id, "token": _token}):
             break
     else:
-        raise RuntimeError(f"could not claim {directory!r} as its one checkpoint writer: other jobs keep claiming it")
+        raise RuntimeError(
+            f"could not claim {directory!r} as its one checkpoint writer: other jobs kept claiming it ten times in a "
+            "row; stop the other jobs saving there, or save into another directory"
+        )
     if directory not in _claimed:
         _claimed.add(directory)
         threading.Thread(target=_heartbeat, args=(path,), name="torchacc-writer", daemon=True).start()

@@ -184,8 +184,8 @@ def plan_layouts(
     if shape.num_blocks < 2:
         raise ValueError(
             f"{type(meta).__name__} has {shape.num_blocks} block(s) of dist.fsdp.wrap_layer_cls "
-            f"{sorted(base.dist.fsdp.wrap_layer_cls)} in a module list; the planner scales fake steps of a few blocks "
-            "steps to the depth: set wrap_layer_cls (in the base config) to the class of the repeated blocks"
+            f"{sorted(base.dist.fsdp.wrap_layer_cls)} in a module list; the planner scales fake steps of a few "
+            "blocks to the depth: set wrap_layer_cls (in the base config) to the class of the repeated blocks"
         )
     step = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "optimizer": optimizer}
     traces = _traces(meta, valid, classes, step, shape.num_blocks, num_workers)

@@ -62,10 +62,10 @@ carried to 8 blocks gave negative activations and +33 %); context parallelism's 
 3 blocks by more than a block. From 3 blocks on each block adds the same."""
 
 
-def depths_for(num_blocks: int, interval: int = 1, *, first_depth: int = FIRST_DEPTH) -> tuple[int, ...]:
+def depths_for(num_blocks: int, interval: int = 1) -> tuple[int, ...]:
     """The depths to trace: two, ``interval`` blocks apart (whole periods of the checkpointing pattern), the first
-    >= ``first_depth`` and in step with ``num_blocks``; just ``num_blocks`` for a model no deeper than that."""
-    first = first_depth + (num_blocks - first_depth) % interval
+    >= ``FIRST_DEPTH`` and in step with ``num_blocks``; just ``num_blocks`` for a model no deeper than that."""
+    first = FIRST_DEPTH + (num_blocks - FIRST_DEPTH) % interval
     if num_blocks <= first + interval:
         return (num_blocks,)
     return (first, first + interval)
